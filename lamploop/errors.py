@@ -1,0 +1,77 @@
+"""The exceptions lamploop raises.
+
+Every error lamploop raises on purpose derives from :class:`LamploopError`, so
+``except LamploopError`` catches them all.  Errors about bad arguments also
+derive from :class:`ValueError`, so code written against plain PyTorch keeps
+working.  Each message names the offending value and where it came from.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "ConfigurationError",
+    "ControlChannelError",
+    "DistributedError",
+    "FrameError",
+    "HandshakeError",
+    "LamploopError",
+    "NonFiniteLossError",
+    "PeerLostError",
+]
+
+
+class LamploopError(Exception):
+    """Base class of every error lamploop raises on purpose."""
+
+
+class ConfigurationError(LamploopError, ValueError):
+    """An argument is out of range or arguments contradict each other."""
+
+
+class BatchError(LamploopError, ValueError):
+    """A batch stream yielded something that cannot be trained on.
+
+    Examples: an empty batch, features and targets with different batch
+    sizes, or an item that is not a ``(features, target)`` pair.
+    """
+
+
+class NonFiniteLossError(LamploopError, FloatingPointError):
+    """A loss was NaN or infinite.
+
+    Attributes:
+        epoch: the epoch in which it happened (``None`` if unknown).
+        batch: the 0-based index of the first bad batch in that epoch on this
+            rank, or ``None`` if the bad value came from another rank.
+    """
+
+    def __init__(self, message: str, *, epoch: int | None, batch: int | None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.batch = batch
+
+
+class CheckpointError(LamploopError):
+    """A checkpoint is missing, corrupt, of another format version, or does not fit the model."""
+
+
+class DistributedError(LamploopError):
+    """A tensor-channel collective or the process-group set-up failed."""
+
+
+class ControlChannelError(LamploopError):
+    """The control channel failed: transport errors are wrapped in this."""
+
+
+class FrameError(ControlChannelError):
+    """A control frame is malformed, too large, or of an unknown type."""
+
+
+class HandshakeError(ControlChannelError):
+    """A peer was refused while joining: the message names the mismatch."""
+
+
+class PeerLostError(ControlChannelError):
+    """A joined peer went silent past the heartbeat timeout or disconnected."""

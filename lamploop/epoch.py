@@ -1,0 +1,236 @@
+"""``one_epoch``: one pass over a batch stream, training or forward-only.
+
+The same function runs on every rank; everything that crosses ranks goes
+through the :class:`~lamploop.tensors.TensorChannel`.  A training step, on
+every rank::
+
+    for each of up to k batches (k = accumulate_gradient_over_n_batches):
+        loss_sum, n = model(batch); (loss_sum / expected).backward()
+    global_n = sum of n over ranks           # also tells when every rank is done
+    gradients = reduced sum * expected / global_n
+    step_optimizer(); clear gradients
+
+A rank whose stream is exhausted keeps taking part with zero examples until the
+sum over ranks is zero, so uneven streams neither hang nor drop examples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio.lowlevel
+import torch
+
+from lamploop.batches import Batch, BatchStream
+from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
+from lamploop.model import SupervisedModel
+from lamploop.tensors import SingleProcessChannel, TensorChannel
+
+__all__ = ["one_epoch"]
+
+_YIELD_EVERY_S = 0.02
+"""Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
+a turn at least this often."""
+
+
+class _Yielder:
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    async def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= _YIELD_EVERY_S:
+            self._last = now
+            await anyio.lowlevel.checkpoint()
+
+
+def _where(epoch: int | None, batch: int, rank: int) -> str:
+    place = f"batch {batch}" if epoch is None else f"epoch {epoch}, batch {batch}"
+    return place if rank == 0 else f"{place} on rank {rank}"
+
+
+def _leading_sizes(features: Any) -> list[int]:
+    if isinstance(features, torch.Tensor):
+        return [int(features.shape[0])] if features.dim() > 0 else []
+    if isinstance(features, Mapping):
+        features = list(features.values())
+    if isinstance(features, (list, tuple)):
+        return [size for f in features for size in _leading_sizes(f)]
+    return []
+
+
+def _prepare(item: Any, device: torch.device | None, where: Callable[[], str]) -> Batch:
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        msg = f"{where()}: expected a (features, target) pair, got {type(item).__name__}"
+        raise BatchError(msg)
+    features, target = item
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        msg = f"{where()}: the target must be a tensor with a batch dimension, got {target!r:.80}"
+        raise BatchError(msg)
+    n = int(target.shape[0])
+    if n == 0:
+        msg = f"{where()}: the batch is empty (0 examples)"
+        raise BatchError(msg)
+    sizes = _leading_sizes(features)
+    if any(size != n for size in sizes):
+        msg = f"{where()}: features have batch size {sizes[0] if sizes[0] != n else sizes}, target has {n}"
+        raise BatchError(msg)
+    if device is not None:
+        features = _to_device(features, device)
+        target = target.to(device, non_blocking=True)
+    return features, target
+
+
+def _to_device(features: Any, device: torch.device) -> Any:
+    if isinstance(features, torch.Tensor):
+        return features.to(device, non_blocking=True)
+    if isinstance(features, Mapping):
+        return {key: _to_device(value, device) for key, value in features.items()}
+    if isinstance(features, (list, tuple)):
+        return type(features)(_to_device(f, device) for f in features)
+    return features
+
+
+def _check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int) -> None:
+    if math.isfinite(total):
+        return
+    bad = [i for i, finite in enumerate(torch.isfinite(torch.stack(losses)).tolist()) if not finite] if losses else []
+    if bad:
+        msg = f"{_where(epoch, bad[0], rank)}: the loss is {float(losses[bad[0]])}"
+        raise NonFiniteLossError(msg, epoch=epoch, batch=bad[0])
+    place = "" if epoch is None else f" of epoch {epoch}"
+    msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"
+    raise NonFiniteLossError(msg, epoch=epoch, batch=None)
+
+
+def _local_sum(losses: list[torch.Tensor]) -> float:
+    return float(torch.stack(losses).sum()) if losses else 0.0
+
+
+async def one_epoch(
+    *,
+    model: SupervisedModel,
+    batches: BatchStream,
+    channel: TensorChannel | None = None,
+    step_optimizer: Callable[[], object] | None = None,
+    forward_only: bool = False,
+    accumulate_gradient_over_n_batches: int = 1,
+    device: torch.device | str | None = None,
+    epoch: int | None = None,
+) -> float:
+    """Run one pass over ``batches`` and return the mean loss over every example of every rank.
+
+    Args:
+        model: the module and its summed loss.
+        batches: this rank's stream of ``(features, target)`` batches.
+        channel: the ranks that train together (default: this process alone).
+        step_optimizer: called once per step after the gradients are complete,
+            for example ``optimizer.step``; required unless ``forward_only``.
+        forward_only: no gradients, no steps, module in eval mode (validation).
+        accumulate_gradient_over_n_batches: batches per optimizer step on each
+            rank; an epoch that ends mid-group still steps with what it has.
+        device: move each batch there (non-blocking) before the forward pass.
+        epoch: only used to say where an error happened.
+
+    Raises:
+        ConfigurationError: bad arguments.
+        BatchError: an empty or malformed batch (says which epoch, batch and
+            rank), or no rank had any batch.
+        NonFiniteLossError: a loss was NaN or infinite (says which batch).
+    """
+    k = accumulate_gradient_over_n_batches
+    if not isinstance(k, int) or k < 1:
+        msg = f"one_epoch: accumulate_gradient_over_n_batches must be an int >= 1, got {k!r}"
+        raise ConfigurationError(msg)
+    channel = channel if channel is not None else SingleProcessChannel()
+    target_device = torch.device(device) if device is not None else None
+    if forward_only:
+        total, count = await _forward_pass(model, batches, channel, target_device, epoch)
+    elif step_optimizer is None:
+        msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
+        raise ConfigurationError(msg)
+    else:
+        total, count = await _training_pass(model, batches, channel, step_optimizer, k, target_device, epoch)
+    if count == 0:
+        place = "" if epoch is None else f"epoch {epoch}: "
+        msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
+        raise BatchError(msg)
+    return total / count
+
+
+async def _forward_pass(
+    model: SupervisedModel,
+    batches: BatchStream,
+    channel: TensorChannel,
+    device: torch.device | None,
+    epoch: int | None,
+) -> tuple[float, float]:
+    model.module.eval()
+    rank = channel.rank
+    losses: list[torch.Tensor] = []
+    count = 0
+    yield_now = _Yielder()
+    with torch.no_grad():
+        async for item in batches:
+            index = len(losses)
+            features, target = _prepare(item, device, lambda: _where(epoch, index, rank))
+            loss_sum, n = model.loss_sum_and_count(features, target)
+            losses.append(loss_sum.detach())
+            count += n
+            await yield_now()
+    total, global_count = channel.all_reduce_sum([_local_sum(losses), count])
+    _check_finite(losses, total, epoch, rank)
+    return total, global_count
+
+
+async def _training_pass(
+    model: SupervisedModel,
+    batches: BatchStream,
+    channel: TensorChannel,
+    step_optimizer: Callable[[], object],
+    k: int,
+    device: torch.device | None,
+    epoch: int | None,
+) -> tuple[float, float]:
+    module = model.module
+    module.train()
+    rank, single = channel.rank, channel.nranks == 1
+    sync = channel.gradient_sync(list(module.parameters()))
+    losses: list[torch.Tensor] = []
+    count = 0
+    yield_now = _Yielder()
+    stream: AsyncIterator[Any] = aiter(batches)
+    upcoming = await anext(stream, None)
+    while True:
+        group_count = 0
+        # One rank knows its whole step up front; with several, the global
+        # count arrives only after the step, so backprop raw sums (expected=1).
+        expected = 1
+        for position in range(k):
+            if upcoming is None:
+                break
+            index = len(losses)
+            features, target = _prepare(upcoming, device, lambda: _where(epoch, index, rank))
+            upcoming = await anext(stream, None)
+            loss_sum, n = model.loss_sum_and_count(features, target)
+            if position == 0 and single:
+                expected = k * n
+            losses.append(loss_sum.detach())
+            group_count += n
+            if position == k - 1 or upcoming is None:
+                sync.arm()
+            (loss_sum / expected if expected != 1 else loss_sum).backward()
+        global_count = group_count if single else int(channel.all_reduce_sum([group_count])[0])
+        if global_count == 0:
+            break
+        count += group_count
+        sync.finish(expected / global_count)
+        step_optimizer()
+        sync.after_step()
+        await yield_now()
+    total, global_total = channel.all_reduce_sum([_local_sum(losses), count])
+    _check_finite(losses, total, epoch, rank)
+    return total, global_total

@@ -1,0 +1,171 @@
+"""``epochs``: the epoch driver.
+
+The driver owns the logic between epochs (learning-rate schedule, validation
+frequency, smoothing of the validation loss, model selection, checkpoints) and
+nothing else: training and validation are awaited effects handed in by the
+caller.  In pseudocode::
+
+    state = init_state or LoopState(epoch=0)
+    while True:
+        schedule_state, factor = schedule(schedule_state, state.epoch, state.last_validation_loss)
+        if state.epoch >= max_epochs or factor <= 0: return state
+        train_loss = await train_epoch(factor)
+        if validating this epoch:
+            raw = await validation_epoch()
+            smoothed = raw * a + previous_smoothed * (1 - a)
+            if epoch is eligible and smoothed < min: await save_min_validation_loss_model()
+        state = next state (epoch + 1)
+        await checkpoint_state(state, schedule_state)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Container
+from typing import Any, Final, TypeVar
+
+import attrs
+
+from lamploop.errors import ConfigurationError, NonFiniteLossError
+from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.state import LearningCurveEntry, LoopState
+
+__all__ = ["ALL_EPOCHS", "AllEpochs", "epochs"]
+
+S = TypeVar("S")
+
+
+class AllEpochs(Container[int]):
+    """A container holding every epoch: pass :data:`ALL_EPOCHS` as
+    ``return_min_validation_loss_model`` to let any epoch become the best one."""
+
+    def __contains__(self, epoch: object) -> bool:
+        return isinstance(epoch, int)
+
+    def __repr__(self) -> str:
+        return "ALL_EPOCHS"
+
+
+ALL_EPOCHS: Final = AllEpochs()
+
+
+def _validate(
+    max_epochs: int,
+    validation_frequency: int,
+    smoothing: float,
+    schedule: LearningRateSchedule[Any],
+    has_validation: bool,
+    init_state: LoopState | None,
+) -> None:
+    if not isinstance(max_epochs, int) or max_epochs < 0:
+        msg = f"epochs: max_epochs must be an int >= 0, got {max_epochs!r}"
+        raise ConfigurationError(msg)
+    if not isinstance(validation_frequency, int) or validation_frequency < 1:
+        msg = f"epochs: validation_frequency must be an int >= 1, got {validation_frequency!r}"
+        raise ConfigurationError(msg)
+    if not 0.0 < smoothing <= 1.0:
+        msg = f"epochs: validation_loss_exponential_smoothing_factor must be in (0, 1], got {smoothing!r}"
+        raise ConfigurationError(msg)
+    if schedule.needs_validation_loss and not has_validation:
+        msg = (
+            f"epochs: the learning-rate schedule {type(schedule).__name__} needs a validation loss, "
+            "but no validation epoch (validation stream) was given"
+        )
+        raise ConfigurationError(msg)
+    if init_state is not None and init_state.epoch < 0:
+        msg = f"epochs: init_state.epoch must be >= 0, got {init_state.epoch}"
+        raise ConfigurationError(msg)
+
+
+def _finite(value: float, what: str, epoch: int) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        msg = f"the {what} of epoch {epoch} is {value}"
+        raise NonFiniteLossError(msg, epoch=epoch, batch=None)
+    return value
+
+
+async def epochs(
+    *,
+    max_epochs: int,
+    train_epoch: Callable[[float], Awaitable[float]],
+    validation_epoch: Callable[[], Awaitable[float]] | None,
+    save_min_validation_loss_model: Callable[[], Awaitable[None]],
+    checkpoint_state: Callable[[LoopState, S], Awaitable[None]] | None = None,
+    validation_frequency: int = 1,
+    return_min_validation_loss_model: Container[int] = (),
+    learning_rate_schedule: LearningRateSchedule[S] = noop(),  # type: ignore[assignment]
+    init_state: LoopState | None = None,
+    learning_rate_schedule_init_state: S | None = None,
+    validation_loss_exponential_smoothing_factor: float = 1.0,
+) -> LoopState:
+    """Run epochs until ``max_epochs`` or until the schedule's factor is <= 0.
+
+    Args:
+        max_epochs: the epoch count at which to stop (epochs ``0 .. max_epochs-1``
+            run, minus those already in ``init_state``).
+        train_epoch: trains one epoch with the given learning-rate factor and
+            returns the mean training loss.
+        validation_epoch: returns the mean validation loss, or ``None`` for no
+            validation.
+        save_min_validation_loss_model: called when an eligible epoch's smoothed
+            validation loss is strictly below every earlier one.
+        checkpoint_state: called after every epoch ``e`` with ``LoopState`` at
+            epoch ``e + 1`` and the schedule state that epoch ``e + 1`` will use:
+            pass both back as ``init_state`` and
+            ``learning_rate_schedule_init_state`` to resume.
+        validation_frequency: validate in epochs ``e`` with ``e % frequency == 0``.
+        return_min_validation_loss_model: the epochs that may become the best
+            model (:data:`ALL_EPOCHS` for all).
+        learning_rate_schedule: asked for epoch ``e``'s factor before epoch
+            ``e`` runs, and once more when the loop stops.
+        init_state: resume from this state (default: a fresh ``LoopState``).
+        learning_rate_schedule_init_state: resume the schedule from this state
+            (default: ``learning_rate_schedule.init()``).
+        validation_loss_exponential_smoothing_factor: ``a`` in
+            ``smoothed = raw * a + previous_smoothed * (1 - a)``; the first
+            smoothed value is the raw one.  The last smoothed value carries over
+            epochs without validation.
+
+    Returns:
+        The final ``LoopState``; its ``epoch`` is the number of epochs run in all.
+
+    Raises:
+        ConfigurationError: an argument is out of range, or the schedule needs
+            a validation loss but ``validation_epoch`` is ``None``.
+        NonFiniteLossError: a training or validation loss is NaN or infinite.
+    """
+    schedule = learning_rate_schedule
+    a = validation_loss_exponential_smoothing_factor
+    _validate(max_epochs, validation_frequency, a, schedule, validation_epoch is not None, init_state)
+    state = init_state if init_state is not None else LoopState()
+    schedule_state: S = (
+        learning_rate_schedule_init_state if learning_rate_schedule_init_state is not None else schedule.init()
+    )
+    while True:
+        epoch = state.epoch
+        schedule_state, factor = schedule.learning_rate_factor(schedule_state, epoch, state.last_validation_loss)
+        if epoch >= max_epochs or factor <= 0:
+            return state
+        training_loss = _finite(await train_epoch(factor), "training loss", epoch)
+        validation: tuple[float, float] | None = None
+        if validation_epoch is not None and epoch % validation_frequency == 0:
+            raw = _finite(await validation_epoch(), "validation loss", epoch)
+            previous = state.last_validation_loss if state.last_validation_loss is not None else raw
+            validation = (raw * a + previous * (1.0 - a), raw)
+        last, best, best_epoch = state.last_validation_loss, state.min_validation_loss, state.min_validation_epoch
+        if validation is not None:
+            last = validation[0]
+            if epoch in return_min_validation_loss_model and (best is None or last < best):
+                best, best_epoch = last, epoch
+                await save_min_validation_loss_model()
+        state = attrs.evolve(
+            state,
+            epoch=epoch + 1,
+            last_validation_loss=last,
+            min_validation_loss=best,
+            min_validation_epoch=best_epoch,
+            learning_curve=(*state.learning_curve, LearningCurveEntry(epoch, training_loss, validation)),
+        )
+        if checkpoint_state is not None:
+            await checkpoint_state(state, schedule_state)

@@ -1,0 +1,296 @@
+"""Pure learning-rate schedules.
+
+A schedule is a pair of pure functions over a plain state value, like an optax
+transformation: ``init() -> S`` and
+``learning_rate_factor(state, epoch, last_validation_loss) -> (next_state, factor)``.
+The epoch loop asks for epoch ``e``'s factor just before epoch ``e`` runs and
+multiplies every parameter group's base learning rate by it.  **A factor <= 0
+ends training** (this is how a schedule stops early).
+
+The state is plain data (``None`` or a frozen attrs class of numbers) so that a
+checkpoint can store it as JSON and a resumed run asks the schedule exactly what
+an uninterrupted run would have asked.
+
+>>> from lamploop import schedules
+>>> s = schedules.linear(start=1.0, end=0.0, max_steps=4)
+>>> state = s.init()
+>>> [round(s.learning_rate_factor(state, e, None)[1], 2) for e in range(5)]
+[1.0, 0.75, 0.5, 0.25, 0.0]
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import attrs
+
+from lamploop.errors import ConfigurationError
+
+__all__ = [
+    "LearningRateSchedule",
+    "PlateauState",
+    "cyclic",
+    "decrement",
+    "from_epoch_count",
+    "linear",
+    "noop",
+    "reduce_lr_on_plateau",
+    "step_after",
+]
+
+S = TypeVar("S")
+
+
+class LearningRateSchedule(Protocol[S]):
+    """A pure learning-rate schedule with state of type ``S``.
+
+    Attributes:
+        needs_validation_loss: ``True`` when the schedule reads
+            ``last_validation_loss``; the loop then refuses to run without a
+            validation stream.
+        state_type: the type of the state, used to read it back from JSON.
+    """
+
+    @property
+    def needs_validation_loss(self) -> bool: ...
+
+    @property
+    def state_type(self) -> Any: ...
+
+    def init(self) -> S:
+        """The state before epoch 0."""
+        ...
+
+    def learning_rate_factor(self, state: S, epoch: int, last_validation_loss: float | None) -> tuple[S, float]:
+        """The factor for ``epoch`` and the state to pass when asking for the next epoch."""
+        ...
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigurationError(message)
+
+
+@attrs.frozen
+class _Stateless(abc.ABC):
+    """Base of the schedules whose factor is a function of the epoch alone."""
+
+    needs_validation_loss = False
+    state_type = type(None)
+
+    def init(self) -> None:
+        return None
+
+    def learning_rate_factor(self, state: None, epoch: int, last_validation_loss: float | None) -> tuple[None, float]:
+        return None, self.factor(epoch)
+
+    @abc.abstractmethod
+    def factor(self, epoch: int) -> float:
+        """The factor of ``epoch``."""
+
+
+@attrs.frozen
+class Noop(_Stateless):
+    """Factor 1 in every epoch."""
+
+    def factor(self, epoch: int) -> float:
+        return 1.0
+
+
+@attrs.frozen
+class Decrement(_Stateless):
+    """``factor(e) = fraction ** (e // every)``."""
+
+    every: int
+    fraction: float
+
+    def factor(self, epoch: int) -> float:
+        return float(self.fraction ** (epoch // self.every))
+
+
+@attrs.frozen
+class Linear(_Stateless):
+    """``factor(e) = start + (end - start) * min(e, max_steps) / max_steps``."""
+
+    start: float
+    end: float
+    max_steps: int
+
+    def factor(self, epoch: int) -> float:
+        return self.start + (self.end - self.start) * min(epoch, self.max_steps) / self.max_steps
+
+
+@attrs.frozen
+class StepAfter(_Stateless):
+    """``factor(e) = factor if e >= steps else 1``."""
+
+    steps: int
+    step_factor: float
+
+    def factor(self, epoch: int) -> float:
+        return self.step_factor if epoch >= self.steps else 1.0
+
+
+@attrs.frozen
+class Cyclic(_Stateless):
+    """A triangle wave: 1 at the start of each period, ``max_factor`` half-way through.
+
+    With ``p = e % period_length`` and ``h = period_length / 2``:
+    ``factor(e) = 1 + (max_factor - 1) * (1 - |p - h| / h)``.
+    """
+
+    max_factor: float
+    period_length: int
+
+    def factor(self, epoch: int) -> float:
+        half = self.period_length / 2
+        position = epoch % self.period_length
+        return 1.0 + (self.max_factor - 1.0) * (1.0 - abs(position - half) / half)
+
+
+@attrs.frozen
+class FromEpochCount(_Stateless):
+    """``factor(e) = f(e)`` for a user function ``f``."""
+
+    f: Callable[[int], float]
+
+    def factor(self, epoch: int) -> float:
+        return float(self.f(epoch))
+
+
+def noop() -> Noop:
+    """Factor 1 in every epoch: train with the optimizer's own learning rate."""
+    return Noop()
+
+
+def decrement(every: int, fraction: float) -> Decrement:
+    """Multiply the factor by ``fraction`` every ``every`` epochs: ``fraction ** (epoch // every)``.
+
+    Raises:
+        ConfigurationError: ``every < 1`` or ``fraction`` not in ``[0, 1]``.
+    """
+    _require(every >= 1, f"decrement: every must be >= 1, got {every}")
+    _require(0.0 <= fraction <= 1.0, f"decrement: fraction must be in [0, 1], got {fraction}")
+    return Decrement(every, fraction)
+
+
+def linear(start: float, end: float, max_steps: int) -> Linear:
+    """Go linearly from ``start`` (epoch 0) to ``end`` (epoch ``max_steps`` and after).
+
+    ``start + (end - start) * min(epoch, max_steps) / max_steps``; with
+    ``end <= 0`` training stops at epoch ``max_steps``.
+
+    Raises:
+        ConfigurationError: ``max_steps < 1``.
+    """
+    _require(max_steps >= 1, f"linear: max_steps must be >= 1, got {max_steps}")
+    return Linear(start, end, max_steps)
+
+
+def step_after(steps: int, factor: float) -> StepAfter:
+    """Factor 1 before epoch ``steps``, ``factor`` from then on.
+
+    Raises:
+        ConfigurationError: ``steps < 0``.
+    """
+    _require(steps >= 0, f"step_after: steps must be >= 0, got {steps}")
+    return StepAfter(steps, factor)
+
+
+def cyclic(max_factor: float, period_length: int) -> Cyclic:
+    """A triangle wave between 1 and ``max_factor`` with the given period (in epochs).
+
+    ``1 + (max_factor - 1) * (1 - |p - h| / h)`` with ``p = epoch % period_length``,
+    ``h = period_length / 2``.
+
+    Raises:
+        ConfigurationError: ``period_length < 2`` or ``max_factor <= 0``.
+    """
+    _require(period_length >= 2, f"cyclic: period_length must be >= 2, got {period_length}")
+    _require(max_factor > 0, f"cyclic: max_factor must be > 0, got {max_factor}")
+    return Cyclic(max_factor, period_length)
+
+
+def from_epoch_count(f: Callable[[int], float]) -> FromEpochCount:
+    """The factor is ``f(epoch)``; ``f`` must be a pure function of the epoch."""
+    _require(callable(f), f"from_epoch_count: f must be callable, got {f!r}")
+    return FromEpochCount(f)
+
+
+@attrs.frozen
+class PlateauState:
+    """The state of :func:`reduce_lr_on_plateau`.
+
+    Attributes:
+        factor: the current factor.
+        best: the best validation loss seen so far.
+        last_seen: the last validation loss looked at (a loss carried over an
+            epoch without validation is not a new observation).
+        bad_validations: validations since ``best`` last improved.
+    """
+
+    factor: float
+    best: float | None = None
+    last_seen: float | None = None
+    bad_validations: int = 0
+
+
+@attrs.frozen
+class ReduceLrOnPlateau:
+    """See :func:`reduce_lr_on_plateau`."""
+
+    start_factor: float
+    reduce_factor: float
+    patience: int
+    threshold: float
+    min_factor: float
+    needs_validation_loss = True
+    state_type = PlateauState
+
+    def init(self) -> PlateauState:
+        return PlateauState(factor=self.start_factor)
+
+    def learning_rate_factor(
+        self, state: PlateauState, epoch: int, last_validation_loss: float | None
+    ) -> tuple[PlateauState, float]:
+        loss = last_validation_loss
+        if loss is None or loss == state.last_seen:
+            return state, state.factor
+        if state.best is None or loss < state.best - self.threshold * abs(state.best):
+            return attrs.evolve(state, best=loss, last_seen=loss, bad_validations=0), state.factor
+        bad = state.bad_validations + 1
+        if bad > self.patience:
+            factor = max(state.factor * self.reduce_factor, self.min_factor)
+            return attrs.evolve(state, factor=factor, last_seen=loss, bad_validations=0), factor
+        return attrs.evolve(state, last_seen=loss, bad_validations=bad), state.factor
+
+
+def reduce_lr_on_plateau(
+    *,
+    start_factor: float = 1.0,
+    reduce_factor: float = 0.5,
+    patience: int = 10,
+    threshold: float = 1e-4,
+    min_factor: float = 0.0,
+) -> ReduceLrOnPlateau:
+    """Multiply the factor by ``reduce_factor`` when validation stops improving.
+
+    A validation loss ``v`` improves when ``v < best - threshold * |best|``.
+    After more than ``patience`` validations without improvement the factor
+    becomes ``max(factor * reduce_factor, min_factor)`` and the count restarts.
+    Patience counts validations, not epochs, so ``validation_frequency > 1``
+    does not shorten it.  ``min_factor = 0`` lets the factor shrink forever;
+    it never reaches 0 by itself, so this schedule does not stop training.
+
+    Raises:
+        ConfigurationError: a value out of range.
+    """
+    _require(start_factor > 0, f"reduce_lr_on_plateau: start_factor must be > 0, got {start_factor}")
+    _require(0 < reduce_factor < 1, f"reduce_lr_on_plateau: reduce_factor must be in (0, 1), got {reduce_factor}")
+    _require(patience >= 0, f"reduce_lr_on_plateau: patience must be >= 0, got {patience}")
+    _require(threshold >= 0, f"reduce_lr_on_plateau: threshold must be >= 0, got {threshold}")
+    _require(min_factor >= 0, f"reduce_lr_on_plateau: min_factor must be >= 0, got {min_factor}")
+    return ReduceLrOnPlateau(start_factor, reduce_factor, patience, threshold, min_factor)
+

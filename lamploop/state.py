@@ -1,0 +1,93 @@
+"""The plain data a training loop threads from epoch to epoch.
+
+All three classes are frozen attrs classes: a new epoch makes a new value
+instead of changing the old one.  :data:`converter` turns the tensor-free parts
+into JSON-ready dicts and back (checkpoints store tensors in safetensors files
+beside that JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import cattrs
+import torch
+
+__all__ = [
+    "LearningCurveEntry",
+    "LoopState",
+    "LoopStateWithModelAndOptimizerData",
+    "converter",
+]
+
+
+def _optional_pair(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    smoothed, raw = value
+    return (float(smoothed), float(raw))
+
+
+@attrs.frozen
+class LearningCurveEntry:
+    """What one epoch measured.
+
+    Attributes:
+        epoch: the 0-based epoch.
+        training_loss: mean training loss over every example of every rank.
+        validation_loss: ``(smoothed, raw)`` validation loss, or ``None`` when
+            validation did not run in this epoch.
+    """
+
+    epoch: int
+    training_loss: float
+    validation_loss: tuple[float, float] | None = attrs.field(default=None, converter=_optional_pair)
+
+
+@attrs.frozen
+class LoopState:
+    """Where the epoch loop stands; enough to resume it.
+
+    Attributes:
+        epoch: the next epoch to run (0 for a fresh run).
+        last_validation_loss: the latest smoothed validation loss, carried over
+            epochs in which validation does not run.
+        min_validation_loss: the smallest smoothed validation loss seen in an
+            epoch eligible for model selection.
+        min_validation_epoch: the epoch of ``min_validation_loss``.
+        learning_curve: one entry per finished epoch, oldest first.
+    """
+
+    epoch: int = 0
+    last_validation_loss: float | None = None
+    min_validation_loss: float | None = None
+    min_validation_epoch: int | None = None
+    learning_curve: tuple[LearningCurveEntry, ...] = attrs.field(default=(), converter=tuple)
+
+
+@attrs.frozen
+class LoopStateWithModelAndOptimizerData:
+    """A :class:`LoopState` with the tensors needed to resume training.
+
+    Attributes:
+        loop_state: the epoch loop's state.
+        model: the live model's ``state_dict()``.
+        optimizer: ``optimizer.state_dict()`` (tensors and plain values).
+        best_model: the ``state_dict()`` at the minimum smoothed validation
+            loss; empty when no eligible epoch has validated yet.
+    """
+
+    loop_state: LoopState
+    model: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, Any]
+    best_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+"""A cattrs converter for lamploop's plain data (JSON-ready dicts, no tensors).
+
+``converter.unstructure(loop_state)`` gives a dict for ``json.dumps``;
+``converter.structure(d, LoopState)`` reads it back.
+"""

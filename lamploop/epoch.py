@@ -106,6 +106,10 @@ def _check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | Non
     raise NonFiniteLossError(msg, epoch=epoch, batch=None)
 
 
+def _global_count(channel: TensorChannel, local: int) -> int:
+    return int(channel.all_reduce_sum([local])[0])
+
+
 def _local_sum(losses: list[torch.Tensor]) -> float:
     return float(torch.stack(losses).sum()) if losses else 0.0
 
@@ -206,6 +210,7 @@ async def _training_pass(
     upcoming = await anext(stream, None)
     while True:
         group_count = 0
+        global_count = 0
         # One rank knows its whole step up front; with several, the global
         # count arrives only after the step, so backprop raw sums (expected=1).
         expected = 1
@@ -221,9 +226,13 @@ async def _training_pass(
             losses.append(loss_sum.detach())
             group_count += n
             if position == k - 1 or upcoming is None:
+                # Every rank reduces the count before any gradient bucket, so the
+                # collectives pair up in the same order on all ranks.
+                global_count = group_count if single else _global_count(channel, group_count)
                 sync.arm()
             (loss_sum / expected if expected != 1 else loss_sum).backward()
-        global_count = group_count if single else int(channel.all_reduce_sum([group_count])[0])
+        if group_count == 0 and not single:
+            global_count = _global_count(channel, 0)
         if global_count == 0:
             break
         count += group_count
@@ -231,6 +240,7 @@ async def _training_pass(
         step_optimizer()
         sync.after_step()
         await yield_now()
+    sync.flush()
     total, global_total = channel.all_reduce_sum([_local_sum(losses), count])
     _check_finite(losses, total, epoch, rank)
     return total, global_total

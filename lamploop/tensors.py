@@ -37,6 +37,10 @@ class GradientSync(Protocol):
         """After the optimizer step: clear gradients and share parameters if needed."""
         ...
 
+    def flush(self) -> None:
+        """Wait until nothing is in flight (called at the end of every training pass)."""
+        ...
+
 
 class TensorChannel(Protocol):
     """What one epoch needs from the ranks that train together."""
@@ -73,6 +77,9 @@ class _LocalGradients:
     def after_step(self) -> None:
         for p in self._parameters:
             p.grad = None
+
+    def flush(self) -> None:
+        pass
 
 
 class SingleProcessChannel:

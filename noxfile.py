@@ -1,0 +1,56 @@
+"""Every chore has a session: ``nox -s tests``, ``lint``, ``bench``, ``docs``.
+
+torch is installed first and pinned to the CPU build that the CI machine has
+cached; the package metadata itself only asks for ``torch>=2.2``, so on GPU
+machines ``pip install lamploop`` keeps the CUDA build already there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+
+TORCH = os.environ.get("LAMPLOOP_TORCH", "torch==2.13.0")
+
+
+def install(session: nox.Session, extras: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (multi-process tests included, GPU tests skip without CUDA)."""
+    install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format check) and mypy --strict on the package."""
+    install(session, "test,lint")
+    session.run("ruff", "check", "lamploop", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "lamploop")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark; figures printed and written under bench-results/ as JSON."""
+    install(session, "test")
+    quick = ["--quick"] if "quick" in session.posargs else []
+    for script in sorted(os.listdir("benchmarks")):
+        if script.startswith("bench_") and script.endswith(".py"):
+            name = script.removeprefix("bench_").removesuffix(".py")
+            session.run("python", f"benchmarks/{script}", "--json", f"bench-results/{name}.json", *quick)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Run every example in docs/ and README.md, and the docstring examples."""
+    install(session, "test")
+    session.run("pytest", "tests/test_docs.py", "-q")

@@ -1,0 +1,209 @@
+"""Who am I? Rank, world size and the control channel's address from the launcher.
+
+Three launchers are understood, checked in this order:
+
+- lamploop itself: ``fit(world_size=n)`` run without a launcher becomes rank 0
+  and starts ranks ``1..n-1`` by running the same command line again with
+  ``LAMPLOOP_RANK``, ``LAMPLOOP_WORLD_SIZE``, ``LAMPLOOP_CONTROL`` (host:port)
+  and ``LAMPLOOP_TOKEN`` set;
+- ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``): rank 0 listens on a free port and publishes it, with a
+  fresh token unless ``LAMPLOOP_TOKEN`` is set, in torchrun's own store;
+- Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): the root is
+  ``LAMPLOOP_ROOT_ADDR`` (default ``SLURM_LAUNCH_NODE_IPADDR``), the port
+  ``LAMPLOOP_CONTROL_PORT`` (default 29511), and ``LAMPLOOP_TOKEN`` is required.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+import attrs
+import torch.distributed as dist
+
+from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
+from lamploop.errors import ConfigurationError, ControlChannelError
+from lamploop.modelspec import ModelSpec
+
+__all__ = ["LaunchEnv", "launch_env", "open_root_control", "spawn_followers"]
+
+DEFAULT_SLURM_CONTROL_PORT = 29511
+_STORE_TIMEOUT_S = 120.0
+
+
+@attrs.frozen
+class LaunchEnv:
+    """This process's place in a launched job.
+
+    Attributes:
+        rank: this process's rank (0 is the root).
+        world_size: the number of ranks.
+        local_rank: the rank on this node (picks the CUDA device).
+        launcher: ``"lamploop"``, ``"torchrun"`` or ``"slurm"``.
+        root_host: the address of the root's node as the others reach it.
+        control_port: the root's control port, when the launcher fixes it.
+        token: the shared secret of the control channel, when known.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+    root_host: str
+    control_port: int | None = None
+    token: str | None = None
+    store_port: int | None = None
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        msg = f"environment variable {name}={environ[name]!r} is not an integer"
+        raise ConfigurationError(msg) from None
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The launcher's view of this process, or ``None`` when no launcher started it.
+
+    Raises:
+        ConfigurationError: a variable is malformed or a required one is missing.
+    """
+    env = os.environ if environ is None else environ
+    if "LAMPLOOP_RANK" in env:
+        host, _, port = env.get("LAMPLOOP_CONTROL", "").rpartition(":")
+        if not host or not port.isdigit():
+            msg = f"LAMPLOOP_CONTROL must be host:port, got {env.get('LAMPLOOP_CONTROL')!r}"
+            raise ConfigurationError(msg)
+        rank = _int(env, "LAMPLOOP_RANK")
+        return LaunchEnv(
+            rank=rank,
+            world_size=_int(env, "LAMPLOOP_WORLD_SIZE"),
+            local_rank=rank,
+            launcher="lamploop",
+            root_host=host,
+            control_port=int(port),
+            token=env.get("LAMPLOOP_TOKEN"),
+        )
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=_int(env, "RANK"),
+            world_size=_int(env, "WORLD_SIZE"),
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            launcher="torchrun",
+            root_host=env.get("MASTER_ADDR", "127.0.0.1"),
+            control_port=_int(env, "LAMPLOOP_CONTROL_PORT") if "LAMPLOOP_CONTROL_PORT" in env else None,
+            token=env.get("LAMPLOOP_TOKEN"),
+            store_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        root = env.get("LAMPLOOP_ROOT_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not root:
+            msg = "under Slurm set LAMPLOOP_ROOT_ADDR to the address of the node running rank 0"
+            raise ConfigurationError(msg)
+        if "LAMPLOOP_TOKEN" not in env:
+            msg = "under Slurm set LAMPLOOP_TOKEN to a shared secret (e.g. `export LAMPLOOP_TOKEN=$(openssl rand -hex 16)`)"
+            raise ConfigurationError(msg)
+        return LaunchEnv(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            launcher="slurm",
+            root_host=root,
+            control_port=_int(env, "LAMPLOOP_CONTROL_PORT")
+            if "LAMPLOOP_CONTROL_PORT" in env
+            else DEFAULT_SLURM_CONTROL_PORT,
+            token=env["LAMPLOOP_TOKEN"],
+        )
+    return None
+
+
+def _launcher_store(env: LaunchEnv) -> dist.TCPStore:
+    if env.store_port is None:
+        msg = "torchrun did not set MASTER_PORT; set LAMPLOOP_CONTROL_PORT and LAMPLOOP_TOKEN instead"
+        raise ConfigurationError(msg)
+    return dist.TCPStore(
+        env.root_host, env.store_port, is_master=False, timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S)
+    )
+
+
+def _restart_key(name: str) -> str:
+    # torchrun restarts reuse the store: scope the keys to this attempt.
+    return f"lamploop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+@asynccontextmanager
+async def open_root_control(
+    env: LaunchEnv, *, model_spec: ModelSpec, bind_host: str | None = None
+) -> AsyncIterator[TcpControlRoot]:
+    """The root's TCP control channel, its address published where the followers look."""
+    token = env.token or secrets.token_hex(16)
+    port = env.control_port or 0
+    async with TcpControlRoot(
+        host=bind_host or env.root_host, port=port, nranks=env.world_size, token=token, model_spec=model_spec
+    ) as root:
+        if env.launcher == "torchrun" and env.control_port is None:
+            store = await anyio.to_thread.run_sync(_launcher_store, env)
+            store.set(_restart_key("control"), f"{root.address[1]}:{token if env.token is None else ''}")
+        yield root
+
+
+@asynccontextmanager
+async def open_follower_control(env: LaunchEnv, *, model_spec: ModelSpec) -> AsyncIterator[TcpControlFollower]:
+    """A follower's TCP control channel to the root named by the launcher."""
+    port, token = env.control_port, env.token
+    if port is None:
+        store = await anyio.to_thread.run_sync(_launcher_store, env)
+        try:
+            published = (await anyio.to_thread.run_sync(store.get, _restart_key("control"))).decode()
+        except RuntimeError as exc:
+            msg = f"rank {env.rank}: the root did not publish its control address in torchrun's store: {exc}"
+            raise ControlChannelError(msg) from exc
+        port_text, _, published_token = published.partition(":")
+        port, token = int(port_text), token or published_token
+    if not token:
+        msg = f"rank {env.rank}: no control-channel token; set LAMPLOOP_TOKEN on every rank"
+        raise ConfigurationError(msg)
+    async with TcpControlFollower(
+        host=env.root_host, port=port, rank=env.rank, nranks=env.world_size, token=token, model_spec=model_spec
+    ) as follower:
+        yield follower
+
+
+def spawn_followers(
+    tasks: anyio.abc.TaskGroup,
+    *,
+    world_size: int,
+    control_address: tuple[str, int],
+    token: str,
+    command: Sequence[str] | None = None,
+) -> None:
+    """Start ranks ``1..world_size-1`` as child processes running ``command`` (default: this one).
+
+    The children are supervised by ``tasks``: one that exits with an error
+    fails the task group, and cancelling the group kills them.
+    """
+    argv = list(command) if command is not None else list(sys.orig_argv)
+    host, port = control_address
+    for rank in range(1, world_size):
+        env = dict(os.environ)
+        env.update(
+            LAMPLOOP_RANK=str(rank),
+            LAMPLOOP_WORLD_SIZE=str(world_size),
+            LAMPLOOP_CONTROL=f"{host}:{port}",
+            LAMPLOOP_TOKEN=token,
+        )
+        tasks.start_soon(_run_child, argv, env, rank)
+
+
+async def _run_child(argv: list[str], env: dict[str, str], rank: int) -> None:
+    result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
+    if result.returncode != 0:
+        msg = f"rank {rank} exited with status {result.returncode}: {' '.join(argv)}"
+        raise ControlChannelError(msg)

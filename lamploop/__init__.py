@@ -12,7 +12,14 @@ from lamploop.batches import (
     iterable_batches,
     tensor_batches,
 )
+from lamploop.checkpoint import Checkpoint, Checkpointer, latest_checkpoint, load_checkpoint, save_checkpoint
+from lamploop.distributed import (
+    drive_distributed_training,
+    follow_distributed_training,
+    local_data_parallel_training_loop,
+)
 from lamploop.epoch import one_epoch
+from lamploop.fit import fit, fit_async
 from lamploop.loop import ALL_EPOCHS, epochs
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss, summed
 from lamploop.modelspec import ModelSpec, model_spec
@@ -36,6 +43,8 @@ __all__ = [
     "BatchContext",
     "BatchStream",
     "BatchStreamFactory",
+    "Checkpoint",
+    "Checkpointer",
     "LearningCurveEntry",
     "LearningRateSchedule",
     "LoopState",
@@ -49,16 +58,24 @@ __all__ = [
     "cyclic",
     "dataloader_batches",
     "decrement",
+    "drive_distributed_training",
     "epochs",
     "errors",
+    "fit",
+    "fit_async",
+    "follow_distributed_training",
     "from_epoch_count",
     "iterable_batches",
+    "latest_checkpoint",
     "linear",
+    "load_checkpoint",
+    "local_data_parallel_training_loop",
     "model_spec",
     "mse_loss",
     "noop",
     "one_epoch",
     "reduce_lr_on_plateau",
+    "save_checkpoint",
     "schedules",
     "step_after",
     "summed",

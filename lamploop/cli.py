@@ -18,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=30, help="epochs in all (default: 30)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="checkpoint directory (default: runs/demo)")
     demo.add_argument("--batch-size", type=int, default=32, help="examples per batch (default: 32)")
+    demo.add_argument("--world-size", type=int, default=2, help="local ranks, one process each (default: 2)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling")
     demo.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
     return parser
@@ -30,7 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from lamploop.demo import run_demo
 
-        run_demo(epochs=args.epochs, out=args.out, batch_size=args.batch_size, seed=args.seed)
+        run_demo(
+            epochs=args.epochs, out=args.out, batch_size=args.batch_size, seed=args.seed, world_size=args.world_size
+        )
     return 0
 
 

@@ -53,8 +53,14 @@ def _print_epoch(state: LoopState) -> None:
     print(f"epoch {entry.epoch:3d}  train loss {entry.training_loss:.4f}{valid}", flush=True)
 
 
-def run_demo(*, epochs: int = 30, out: Path = Path("runs/demo"), batch_size: int = 32, seed: int = 0) -> float:
-    """Train the digits MLP for ``epochs`` epochs; print and return the validation accuracy."""
+def run_demo(
+    *, epochs: int = 30, out: Path = Path("runs/demo"), batch_size: int = 32, seed: int = 0, world_size: int = 2
+) -> float | None:
+    """Train the digits MLP on ``world_size`` local ranks; print and return the validation accuracy.
+
+    Rank 0 runs in this process and starts the others by running the same
+    command again; it returns the accuracy, the other ranks ``None``.
+    """
     x_train, y_train, x_valid, y_valid = digits_data(seed)
     module = digits_model(seed)
     state = fit(
@@ -65,7 +71,10 @@ def run_demo(*, epochs: int = 30, out: Path = Path("runs/demo"), batch_size: int
         max_epochs=epochs,
         checkpoint_dir=out,
         on_epoch=_print_epoch,
+        world_size=world_size,
     )
+    if state is None:
+        return None
     result = accuracy(module, x_valid, y_valid)
     print(
         f"best epoch {state.min_validation_epoch} (smoothed validation loss {state.min_validation_loss:.4f}); "

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio.lowlevel
+import anyio.to_thread
 import torch
 
 from lamploop.batches import Batch, BatchStream
@@ -110,6 +111,17 @@ def _global_count(channel: TensorChannel, local: int) -> int:
     return int(channel.all_reduce_sum([local])[0])
 
 
+async def _epoch_totals(channel: TensorChannel, losses: list[torch.Tensor], count: int) -> tuple[float, float]:
+    """The loss sum and example count over all ranks."""
+    values = [_local_sum(losses), count]
+    if channel.nranks == 1:
+        total, global_count = channel.all_reduce_sum(values)
+    else:
+        # This waits for the slowest rank's whole epoch: keep the event loop (heartbeats) free.
+        total, global_count = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
+    return total, global_count
+
+
 def _local_sum(losses: list[torch.Tensor]) -> float:
     return float(torch.stack(losses).sum()) if losses else 0.0
 
@@ -185,7 +197,7 @@ async def _forward_pass(
             losses.append(loss_sum.detach())
             count += n
             await yield_now()
-    total, global_count = channel.all_reduce_sum([_local_sum(losses), count])
+    total, global_count = await _epoch_totals(channel, losses, count)
     _check_finite(losses, total, epoch, rank)
     return total, global_count
 
@@ -241,6 +253,6 @@ async def _training_pass(
         sync.after_step()
         await yield_now()
     sync.flush()
-    total, global_total = channel.all_reduce_sum([_local_sum(losses), count])
+    total, global_total = await _epoch_totals(channel, losses, count)
     _check_finite(losses, total, epoch, rank)
     return total, global_total

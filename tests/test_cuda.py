@@ -1,0 +1,84 @@
+"""CUDA paths: NCCL with one rank, device batches. Skipped where there is no CUDA device."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+import anyio
+import pytest
+import torch
+import torch.distributed as dist
+
+import lamploop
+from lamploop.process_group import ProcessGroupChannel, new_process_group
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(256, 16, generator=generator, dtype=torch.float64), torch.randint(
+        0, 4, (256,), generator=generator
+    )
+
+
+def _train(module: torch.nn.Module, channel: lamploop.TensorChannel | None, device: str) -> list[float]:
+    x, y = _data()
+    batches = lamploop.tensor_batches(x, y, batch_size=32, seed=1)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    model = lamploop.SupervisedModel(module)
+    losses = []
+    for epoch in range(3):
+        losses.append(
+            anyio.run(
+                lambda e=epoch: lamploop.one_epoch(
+                    model=model,
+                    batches=batches(lamploop.BatchContext(e)),
+                    channel=channel,
+                    step_optimizer=optimizer.step,
+                    accumulate_gradient_over_n_batches=2,
+                    device=device,
+                )
+            )
+        )
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_nccl_with_one_rank_matches_cpu() -> None:
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+    gpu = copy.deepcopy(cpu).to("cuda")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    device = torch.device("cuda", 0)
+    group = new_process_group(store, rank=0, nranks=1, device=device, timeout=30, prefix="test")
+    channel = ProcessGroupChannel(group, rank=0, nranks=1, device=device, strategy="all_reduce")
+    channel.attach(gpu)
+    gpu_losses = _train(gpu, channel, "cuda")
+    cpu_losses = _train(cpu, None, "cpu")
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-9)
+    for p, q in zip(gpu.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-9, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_fit_on_cuda_reaches_the_cpu_result() -> None:
+    x, y = _data()
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+        state = lamploop.fit(
+            model=lamploop.SupervisedModel(module),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            train_batches=lamploop.tensor_batches(x, y, batch_size=32),
+            max_epochs=2,
+            device=device,
+        )
+        assert state is not None
+        results.append([entry.training_loss for entry in state.learning_curve])
+    assert results[1] == pytest.approx(results[0], rel=1e-9)

@@ -36,7 +36,11 @@ def digits_model(seed: int = 0) -> torch.nn.Module:
     """An MLP 64 -> 128 -> 64 -> 10 with seeded initial weights."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+        torch.nn.Linear(64, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 10),
     )
 
 
@@ -54,7 +58,12 @@ def _print_epoch(state: LoopState) -> None:
 
 
 def run_demo(
-    *, epochs: int = 30, out: Path = Path("runs/demo"), batch_size: int = 32, seed: int = 0, world_size: int = 2
+    *,
+    epochs: int = 30,
+    out: Path = Path("runs/demo"),
+    batch_size: int = 32,
+    seed: int = 0,
+    world_size: int = 2,
 ) -> float | None:
     """Train the digits MLP on ``world_size`` local ranks; print and return the validation accuracy.
 
@@ -77,7 +86,8 @@ def run_demo(
         return None
     result = accuracy(module, x_valid, y_valid)
     print(
-        f"best epoch {state.min_validation_epoch} (smoothed validation loss {state.min_validation_loss:.4f}); "
+        f"best epoch {state.min_validation_epoch} "
+        f"(smoothed validation loss {state.min_validation_loss:.4f}); "
         f"validation accuracy {result:.4f}; checkpoints in {out}/",
         flush=True,
     )

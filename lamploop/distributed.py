@@ -38,7 +38,7 @@ from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.loop import epochs
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
-from lamploop.optimizer_state import empty_like_specs, join_state, split_state, tensor_specs
+from lamploop.optimizer_state import decode_tree, encode_tree
 from lamploop.process_group import (
     DEFAULT_BUCKET_CAP_MB,
     ProcessGroupChannel,
@@ -92,16 +92,24 @@ def _initial_sync(
 ) -> None:
     """Blocking collectives run once at start, identical on every rank (see module doc, step 3)."""
     channel.check_agreement("the sync strategy", channel.strategy)
-    channel.check_agreement("the model's parameter names, shapes and dtypes", model_spec(module).fingerprint())
+    channel.check_agreement(
+        "the model's parameter names, shapes and dtypes", model_spec(module).fingerprint()
+    )
     channel.broadcast_tensors(list(module.state_dict().values()))
     if channel.strategy != "all_reduce" or optimizer is None:
         return
-    mine = split_state(optimizer.state_dict()) if channel.rank == 0 else None
-    skeleton, specs = channel.broadcast_json([mine[0], tensor_specs(mine[1])] if mine is not None else None)
-    received = mine[1] if mine is not None else empty_like_specs(specs, torch.device("cpu"))
-    channel.broadcast_tensors(received)
-    if mine is None:
-        optimizer.load_state_dict(join_state(skeleton, received))
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = (
+        encode_tree(optimizer.state_dict(), tensors, error=DistributedError) if channel.rank == 0 else None
+    )
+    specs = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()]
+    skeleton, specs = channel.broadcast_json([skeleton, specs])
+    if channel.rank != 0:
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in specs}
+    channel.broadcast_tensors(list(tensors.values()))
+    if channel.rank != 0:
+        state = decode_tree(skeleton, tensors, "the root's optimizer state", error=DistributedError)
+        optimizer.load_state_dict(state)
 
 
 @asynccontextmanager
@@ -267,7 +275,10 @@ async def drive_distributed_training(
             next_epoch = state.epoch
             if checkpoint_state is not None:
                 data = LoopStateWithModelAndOptimizerData(
-                    loop_state=state, model=module.state_dict(), optimizer=optimizer.state_dict(), best_model=best
+                    loop_state=state,
+                    model=module.state_dict(),
+                    optimizer=optimizer.state_dict(),
+                    best_model=best,
                 )
                 await checkpoint_state(data, schedule_state)
 
@@ -337,10 +348,15 @@ async def follow_distributed_training(
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)
     if strategy == "all_reduce" and optimizer_factory is None:
-        msg = "follow_distributed_training: strategy 'all_reduce' steps on every rank and needs optimizer_factory"
+        msg = (
+            "follow_distributed_training: strategy 'all_reduce' steps on every rank "
+            "and needs optimizer_factory"
+        )
         raise ConfigurationError(msg)
     module = model.module.to(device)
-    optimizer = optimizer_factory(module.parameters()) if strategy == "all_reduce" and optimizer_factory else None
+    optimizer = (
+        optimizer_factory(module.parameters()) if strategy == "all_reduce" and optimizer_factory else None
+    )
     rendezvous, commands = await control.join()
 
     async def connect() -> Any:
@@ -371,7 +387,10 @@ async def follow_distributed_training(
                 await _run_epoch(functools.partial(replica.train, command.epoch, command.lr_factor))
             elif isinstance(command, Valid):
                 if validation_batches is None:
-                    msg = f"rank {rank}: the root validates in epoch {command.epoch}, but this rank has no validation_batches"
+                    msg = (
+                        f"rank {rank}: the root validates in epoch {command.epoch}, "
+                        "but this rank has no validation_batches"
+                    )
                     raise ConfigurationError(msg)
                 await _run_epoch(functools.partial(replica.validate, command.epoch))
             else:
@@ -418,7 +437,9 @@ async def local_data_parallel_training_loop(
     root, followers = local_control(nranks)
     (root_model, root_train, root_valid), *others = models_with_data_streams
     async with root, anyio.create_task_group() as tasks:
-        for rank, (follower, (model, train, valid)) in enumerate(zip(followers, others, strict=True), start=1):
+        for rank, (follower, (model, train, valid)) in enumerate(
+            zip(followers, others, strict=True), start=1
+        ):
             tasks.start_soon(
                 functools.partial(
                     _follow_entered,

@@ -16,6 +16,7 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -98,7 +99,11 @@ def _to_device(features: Any, device: torch.device) -> Any:
 def _check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int) -> None:
     if math.isfinite(total):
         return
-    bad = [i for i, finite in enumerate(torch.isfinite(torch.stack(losses)).tolist()) if not finite] if losses else []
+    bad = (
+        [i for i, finite in enumerate(torch.isfinite(torch.stack(list(losses))).tolist()) if not finite]
+        if losses
+        else []
+    )
     if bad:
         msg = f"{_where(epoch, bad[0], rank)}: the loss is {float(losses[bad[0]])}"
         raise NonFiniteLossError(msg, epoch=epoch, batch=bad[0])
@@ -111,7 +116,9 @@ def _global_count(channel: TensorChannel, local: int) -> int:
     return int(channel.all_reduce_sum([local])[0])
 
 
-async def _epoch_totals(channel: TensorChannel, losses: list[torch.Tensor], count: int) -> tuple[float, float]:
+async def _epoch_totals(
+    channel: TensorChannel, losses: list[torch.Tensor], count: int
+) -> tuple[float, float]:
     """The loss sum and example count over all ranks."""
     values = [_local_sum(losses), count]
     if channel.nranks == 1:
@@ -192,7 +199,7 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            features, target = _prepare(item, device, lambda: _where(epoch, index, rank))
+            features, target = _prepare(item, device, functools.partial(_where, epoch, index, rank))
             loss_sum, n = model.loss_sum_and_count(features, target)
             losses.append(loss_sum.detach())
             count += n
@@ -230,7 +237,7 @@ async def _training_pass(
             if upcoming is None:
                 break
             index = len(losses)
-            features, target = _prepare(upcoming, device, lambda: _where(epoch, index, rank))
+            features, target = _prepare(upcoming, device, functools.partial(_where, epoch, index, rank))
             upcoming = await anext(stream, None)
             loss_sum, n = model.loss_sum_and_count(features, target)
             if position == 0 and single:

@@ -84,7 +84,9 @@ async def fit_async(
     """Train ``model`` on one rank or several; see :func:`fit` (this is its async form)."""
     env = launch_env()
     if env is not None and world_size is not None and world_size != env.world_size:
-        msg = f"fit: world_size={world_size}, but the launcher ({env.launcher}) started {env.world_size} ranks"
+        msg = (
+            f"fit: world_size={world_size}, but the launcher ({env.launcher}) started {env.world_size} ranks"
+        )
         raise ConfigurationError(msg)
     nranks = env.world_size if env is not None else (world_size or 1)
     rank = env.rank if env is not None else 0

@@ -108,7 +108,10 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             msg = "under Slurm set LAMPLOOP_ROOT_ADDR to the address of the node running rank 0"
             raise ConfigurationError(msg)
         if "LAMPLOOP_TOKEN" not in env:
-            msg = "under Slurm set LAMPLOOP_TOKEN to a shared secret (e.g. `export LAMPLOOP_TOKEN=$(openssl rand -hex 16)`)"
+            msg = (
+                "under Slurm set LAMPLOOP_TOKEN to a shared secret "
+                "(e.g. `export LAMPLOOP_TOKEN=$(openssl rand -hex 16)`)"
+            )
             raise ConfigurationError(msg)
         return LaunchEnv(
             rank=_int(env, "SLURM_PROCID"),
@@ -155,7 +158,9 @@ async def open_root_control(
 
 
 @asynccontextmanager
-async def open_follower_control(env: LaunchEnv, *, model_spec: ModelSpec) -> AsyncIterator[TcpControlFollower]:
+async def open_follower_control(
+    env: LaunchEnv, *, model_spec: ModelSpec
+) -> AsyncIterator[TcpControlFollower]:
     """A follower's TCP control channel to the root named by the launcher."""
     port, token = env.control_port, env.token
     if port is None:
@@ -171,7 +176,12 @@ async def open_follower_control(env: LaunchEnv, *, model_spec: ModelSpec) -> Asy
         msg = f"rank {env.rank}: no control-channel token; set LAMPLOOP_TOKEN on every rank"
         raise ConfigurationError(msg)
     async with TcpControlFollower(
-        host=env.root_host, port=port, rank=env.rank, nranks=env.world_size, token=token, model_spec=model_spec
+        host=env.root_host,
+        port=port,
+        rank=env.rank,
+        nranks=env.world_size,
+        token=token,
+        model_spec=model_spec,
     ) as follower:
         yield follower
 

@@ -140,11 +140,15 @@ async def epochs(
     _validate(max_epochs, validation_frequency, a, schedule, validation_epoch is not None, init_state)
     state = init_state if init_state is not None else LoopState()
     schedule_state: S = (
-        learning_rate_schedule_init_state if learning_rate_schedule_init_state is not None else schedule.init()
+        learning_rate_schedule_init_state
+        if learning_rate_schedule_init_state is not None
+        else schedule.init()
     )
     while True:
         epoch = state.epoch
-        schedule_state, factor = schedule.learning_rate_factor(schedule_state, epoch, state.last_validation_loss)
+        schedule_state, factor = schedule.learning_rate_factor(
+            schedule_state, epoch, state.last_validation_loss
+        )
         if epoch >= max_epochs or factor <= 0:
             return state
         training_loss = _finite(await train_epoch(factor), "training loss", epoch)
@@ -153,7 +157,11 @@ async def epochs(
             raw = _finite(await validation_epoch(), "validation loss", epoch)
             previous = state.last_validation_loss if state.last_validation_loss is not None else raw
             validation = (raw * a + previous * (1.0 - a), raw)
-        last, best, best_epoch = state.last_validation_loss, state.min_validation_loss, state.min_validation_epoch
+        last, best, best_epoch = (
+            state.last_validation_loss,
+            state.min_validation_loss,
+            state.min_validation_epoch,
+        )
         if validation is not None:
             last = validation[0]
             if epoch in return_min_validation_loss_model and (best is None or last < best):
@@ -165,7 +173,7 @@ async def epochs(
             last_validation_loss=last,
             min_validation_loss=best,
             min_validation_epoch=best_epoch,
-            learning_curve=(*state.learning_curve, LearningCurveEntry(epoch, training_loss, validation)),
+            learning_curve=state.learning_curve + (LearningCurveEntry(epoch, training_loss, validation),),
         )
         if checkpoint_state is not None:
             await checkpoint_state(state, schedule_state)

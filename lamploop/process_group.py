@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 Strategy: TypeAlias = Literal["all_reduce", "reduce_to_root"]
+Group: TypeAlias = Any
+"""A process-group backend object (``ProcessGroupGloo`` or ``ProcessGroupNCCL``): their
+common base is private and the CPU build of torch lacks the NCCL class."""
 STRATEGIES: tuple[Strategy, ...] = ("all_reduce", "reduce_to_root")
 DEFAULT_BUCKET_CAP_MB = 25.0
 _FIRST_BUCKET_CAP_MB = 1.0
@@ -72,7 +75,7 @@ def connect_store(rendezvous: Rendezvous, nranks: int, timeout: float) -> dist.T
 
 def new_process_group(
     store: dist.Store, *, rank: int, nranks: int, device: torch.device, timeout: float, prefix: str
-) -> dist.ProcessGroup:
+) -> Group:
     """A Gloo (CPU) or NCCL (CUDA) process group over ``store`` (blocks until every rank joins)."""
     scoped = dist.PrefixStore(prefix, store)
     span = datetime.timedelta(seconds=timeout)
@@ -108,12 +111,14 @@ def _buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[int]]:
     size = 0
     cap = _FIRST_BUCKET_CAP_MB * 2**20
     for i, p in enumerate(params):
-        first = params[current[0]] if current else None
-        if current and (size + p.numel() * p.element_size() > cap or p.dtype != first.dtype or p.device != first.device):  # type: ignore[union-attr]
+        nbytes = p.numel() * p.element_size()
+        if current and (
+            size + nbytes > cap or p.dtype != params[current[0]].dtype or p.device != params[current[0]].device
+        ):
             buckets.append(current)
             current, size, cap = [], 0, cap_mb * 2**20
         current.append(i)
-        size += p.numel() * p.element_size()
+        size += nbytes
     if current:
         buckets.append(current)
     return buckets
@@ -148,7 +153,7 @@ class BucketedGradients:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: Group,
         parameters: Sequence[torch.nn.Parameter],
         modules: Sequence[torch.nn.Module],
         *,
@@ -163,7 +168,10 @@ class BucketedGradients:
         self._params = params
         # Gradients become ready roughly in reverse order of registration.
         backward_order = list(reversed(range(len(params))))
-        grad_groups = [[backward_order[j] for j in b] for b in _buckets([params[i] for i in backward_order], bucket_cap_mb)]
+        grad_groups = [
+            [backward_order[j] for j in b]
+            for b in _buckets([params[i] for i in backward_order], bucket_cap_mb)
+        ]
         self._grads = _FlatBuckets(params, grad_groups)
         self._bucket_of = [0] * len(params)
         for b, members in enumerate(grad_groups):
@@ -189,7 +197,9 @@ class BucketedGradients:
                 for i in members:
                     bucket_of_param[id(params[i])] = b
             for m in modules:
-                needed = sorted({bucket_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of_param})
+                needed = sorted(
+                    {bucket_of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of_param}
+                )
                 if needed:
                     self._handles.append(m.register_forward_pre_hook(self._await_parameters(needed)))
 
@@ -210,9 +220,8 @@ class BucketedGradients:
         if self._strategy == "all_reduce":
             self._works.append(self._group.allreduce([flat]))
         else:
-            options = dist.ReduceOptions()
+            options = dist.ReduceOptions()  # the default reduction is a sum
             options.rootRank = 0
-            options.reduceOp = dist.ReduceOp.SUM
             self._works.append(self._group.reduce([flat], options))
 
     def _launch_ready(self) -> None:
@@ -270,7 +279,7 @@ class ProcessGroupChannel:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: Group,
         *,
         rank: int,
         nranks: int,

@@ -20,7 +20,9 @@ from lamploop.tensors import TensorChannel
 __all__ = ["Replica", "set_learning_rate_factor"]
 
 
-def set_learning_rate_factor(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], factor: float) -> None:
+def set_learning_rate_factor(
+    optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], factor: float
+) -> None:
     """Set every param group's learning rate to its base rate times ``factor``."""
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
         group["lr"] = base * factor

@@ -63,7 +63,9 @@ class LearningRateSchedule(Protocol[S]):
         """The state before epoch 0."""
         ...
 
-    def learning_rate_factor(self, state: S, epoch: int, last_validation_loss: float | None) -> tuple[S, float]:
+    def learning_rate_factor(
+        self, state: S, epoch: int, last_validation_loss: float | None
+    ) -> tuple[S, float]:
         """The factor for ``epoch`` and the state to pass when asking for the next epoch."""
         ...
 
@@ -83,7 +85,9 @@ class _Stateless(abc.ABC):
     def init(self) -> None:
         return None
 
-    def learning_rate_factor(self, state: None, epoch: int, last_validation_loss: float | None) -> tuple[None, float]:
+    def learning_rate_factor(
+        self, state: None, epoch: int, last_validation_loss: float | None
+    ) -> tuple[None, float]:
         return None, self.factor(epoch)
 
     @abc.abstractmethod
@@ -288,9 +292,10 @@ def reduce_lr_on_plateau(
         ConfigurationError: a value out of range.
     """
     _require(start_factor > 0, f"reduce_lr_on_plateau: start_factor must be > 0, got {start_factor}")
-    _require(0 < reduce_factor < 1, f"reduce_lr_on_plateau: reduce_factor must be in (0, 1), got {reduce_factor}")
+    _require(
+        0 < reduce_factor < 1, f"reduce_lr_on_plateau: reduce_factor must be in (0, 1), got {reduce_factor}"
+    )
     _require(patience >= 0, f"reduce_lr_on_plateau: patience must be >= 0, got {patience}")
     _require(threshold >= 0, f"reduce_lr_on_plateau: threshold must be >= 0, got {threshold}")
     _require(min_factor >= 0, f"reduce_lr_on_plateau: min_factor must be >= 0, got {min_factor}")
     return ReduceLrOnPlateau(start_factor, reduce_factor, patience, threshold, min_factor)
-

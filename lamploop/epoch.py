@@ -222,6 +222,7 @@ async def _training_pass(
     module.train()
     rank, single = channel.rank, channel.nranks == 1
     sync = channel.gradient_sync(list(module.parameters()))
+    sync.zero_grad()
     losses: list[torch.Tensor] = []
     count = 0
     yield_now = _Yielder()

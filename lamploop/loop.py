@@ -72,6 +72,14 @@ def _validate(
             "but no validation epoch (validation stream) was given"
         )
         raise ConfigurationError(msg)
+    expected_frequency = getattr(schedule, "validation_frequency", validation_frequency)
+    if expected_frequency != validation_frequency:
+        msg = (
+            f"epochs: the learning-rate schedule {type(schedule).__name__} was made for "
+            f"validation_frequency={expected_frequency}, but epochs runs with validation_frequency="
+            f"{validation_frequency}; pass the same value to both"
+        )
+        raise ConfigurationError(msg)
     if init_state is not None and init_state.epoch < 0:
         msg = f"epochs: init_state.epoch must be >= 0, got {init_state.epoch}"
         raise ConfigurationError(msg)

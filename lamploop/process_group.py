@@ -47,7 +47,7 @@ def check_strategy(strategy: str) -> Strategy:
     if strategy not in STRATEGIES:
         msg = f"strategy must be one of {STRATEGIES}, got {strategy!r}"
         raise ConfigurationError(msg)
-    return strategy  # type: ignore[return-value]
+    return strategy
 
 
 def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore, Rendezvous]:
@@ -252,6 +252,13 @@ class BucketedGradients:
         self._armed = False
         self._ready = [False] * len(self._ready)
         self._pending = [len(g) for g in self._grads.groups]
+
+    def zero_grad(self) -> None:
+        for flat in self._grads.flats:
+            flat.zero_()
+        for i, p in enumerate(self._params):
+            if p.grad is not self._grads.views[i]:  # someone replaced it, e.g. zero_grad(set_to_none=True)
+                p.grad = self._grads.views[i]
 
     def after_step(self) -> None:
         for flat in self._grads.flats:

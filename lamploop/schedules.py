@@ -230,14 +230,11 @@ class PlateauState:
     Attributes:
         factor: the current factor.
         best: the best validation loss seen so far.
-        last_seen: the last validation loss looked at (a loss carried over an
-            epoch without validation is not a new observation).
         bad_validations: validations since ``best`` last improved.
     """
 
     factor: float
     best: float | None = None
-    last_seen: float | None = None
     bad_validations: int = 0
 
 
@@ -250,6 +247,7 @@ class ReduceLrOnPlateau:
     patience: int
     threshold: float
     min_factor: float
+    validation_frequency: int
     needs_validation_loss = True
     state_type = PlateauState
 
@@ -259,16 +257,18 @@ class ReduceLrOnPlateau:
     def learning_rate_factor(
         self, state: PlateauState, epoch: int, last_validation_loss: float | None
     ) -> tuple[PlateauState, float]:
+        # A loss carried over an epoch without validation is no new observation;
+        # validation ran in epoch e - 1 exactly when (e - 1) % frequency == 0.
         loss = last_validation_loss
-        if loss is None or loss == state.last_seen:
+        if loss is None or epoch < 1 or (epoch - 1) % self.validation_frequency != 0:
             return state, state.factor
         if state.best is None or loss < state.best - self.threshold * abs(state.best):
-            return attrs.evolve(state, best=loss, last_seen=loss, bad_validations=0), state.factor
+            return attrs.evolve(state, best=loss, bad_validations=0), state.factor
         bad = state.bad_validations + 1
         if bad > self.patience:
             factor = max(state.factor * self.reduce_factor, self.min_factor)
-            return attrs.evolve(state, factor=factor, last_seen=loss, bad_validations=0), factor
-        return attrs.evolve(state, last_seen=loss, bad_validations=bad), state.factor
+            return attrs.evolve(state, factor=factor, bad_validations=0), factor
+        return attrs.evolve(state, bad_validations=bad), state.factor
 
 
 def reduce_lr_on_plateau(
@@ -278,15 +278,18 @@ def reduce_lr_on_plateau(
     patience: int = 10,
     threshold: float = 1e-4,
     min_factor: float = 0.0,
+    validation_frequency: int = 1,
 ) -> ReduceLrOnPlateau:
     """Multiply the factor by ``reduce_factor`` when validation stops improving.
 
     A validation loss ``v`` improves when ``v < best - threshold * |best|``.
     After more than ``patience`` validations without improvement the factor
     becomes ``max(factor * reduce_factor, min_factor)`` and the count restarts.
-    Patience counts validations, not epochs, so ``validation_frequency > 1``
-    does not shorten it.  ``min_factor = 0`` lets the factor shrink forever;
-    it never reaches 0 by itself, so this schedule does not stop training.
+    Patience counts validations, not epochs: pass the ``validation_frequency``
+    given to :func:`lamploop.epochs` (which checks that they agree), so that a
+    loss carried over an epoch without validation is not counted again while a
+    truly flat loss is.  ``min_factor = 0`` lets the factor shrink forever; it
+    never reaches 0 by itself, so this schedule does not stop training.
 
     Raises:
         ConfigurationError: a value out of range.
@@ -298,4 +301,8 @@ def reduce_lr_on_plateau(
     _require(patience >= 0, f"reduce_lr_on_plateau: patience must be >= 0, got {patience}")
     _require(threshold >= 0, f"reduce_lr_on_plateau: threshold must be >= 0, got {threshold}")
     _require(min_factor >= 0, f"reduce_lr_on_plateau: min_factor must be >= 0, got {min_factor}")
-    return ReduceLrOnPlateau(start_factor, reduce_factor, patience, threshold, min_factor)
+    _require(
+        validation_frequency >= 1,
+        f"reduce_lr_on_plateau: validation_frequency must be >= 1, got {validation_frequency}",
+    )
+    return ReduceLrOnPlateau(start_factor, reduce_factor, patience, threshold, min_factor, validation_frequency)

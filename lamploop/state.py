@@ -8,7 +8,7 @@ beside that JSON).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -28,6 +28,10 @@ def _optional_pair(value: Any) -> tuple[float, float] | None:
         return None
     smoothed, raw = value
     return (float(smoothed), float(raw))
+
+
+def _curve(entries: Iterable[LearningCurveEntry]) -> tuple[LearningCurveEntry, ...]:
+    return tuple(entries)
 
 
 @attrs.frozen
@@ -64,7 +68,7 @@ class LoopState:
     last_validation_loss: float | None = None
     min_validation_loss: float | None = None
     min_validation_epoch: int | None = None
-    learning_curve: tuple[LearningCurveEntry, ...] = attrs.field(default=(), converter=tuple)
+    learning_curve: tuple[LearningCurveEntry, ...] = attrs.field(default=(), converter=_curve)
 
 
 @attrs.frozen
@@ -85,9 +89,18 @@ class LoopStateWithModelAndOptimizerData:
     best_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
 
 
+def _structure_none(value: object, _: object) -> None:
+    if value is not None:
+        msg = f"expected null, got {value!r}"
+        raise ValueError(msg)
+
+
 converter = cattrs.Converter(forbid_extra_keys=True)
 """A cattrs converter for lamploop's plain data (JSON-ready dicts, no tensors).
 
 ``converter.unstructure(loop_state)`` gives a dict for ``json.dumps``;
 ``converter.structure(d, LoopState)`` reads it back.
 """
+
+# The state of a stateless schedule is None, and its state_type is NoneType.
+converter.register_structure_hook(type(None), _structure_none)

@@ -33,6 +33,10 @@ class GradientSync(Protocol):
         """Complete the reduction and multiply the reduced gradients by ``scale``."""
         ...
 
+    def zero_grad(self) -> None:
+        """Clear the gradients (called before the first step of every training pass)."""
+        ...
+
     def after_step(self) -> None:
         """After the optimizer step: clear gradients and share parameters if needed."""
         ...
@@ -74,9 +78,12 @@ class _LocalGradients:
             grads = [p.grad for p in self._parameters if p.grad is not None]
             torch._foreach_mul_(grads, scale)
 
-    def after_step(self) -> None:
+    def zero_grad(self) -> None:
         for p in self._parameters:
             p.grad = None
+
+    def after_step(self) -> None:
+        self.zero_grad()
 
     def flush(self) -> None:
         pass

@@ -1,0 +1,124 @@
+"""What the control channel carries, and the two interfaces every channel implements.
+
+The root (rank 0) drives training; each follower (ranks ``1..nranks-1``) obeys.
+Before the first epoch the root hands every follower the :class:`Rendezvous`, the
+address of the ``torch.distributed`` store through which the tensor channel is set up.
+Then, about once per epoch, the root broadcasts one :data:`Command`:
+
+- :class:`Train` -- run one training epoch with this learning-rate factor;
+- :class:`Valid` -- run one forward-only validation epoch;
+- :class:`Stop` -- training is over; the follower's command iterator ends after it.
+
+:class:`ControlRoot` and :class:`ControlFollower` are the whole interface (after lamp's
+``DistributedCommunicationRoot`` / ``NonRoot``); :mod:`lamploop.control.local` and
+:mod:`lamploop.control.tcp` implement them, and one conformance test runs against both.
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, TypeAlias, runtime_checkable
+
+import attrs
+
+__all__ = ["Command", "ControlFollower", "ControlRoot", "Rendezvous", "Stop", "Train", "Valid"]
+
+
+@attrs.frozen
+class Train:
+    """Run training epoch ``epoch`` with every param group's base lr multiplied by ``lr_factor``."""
+
+    epoch: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    lr_factor: float = attrs.field(validator=attrs.validators.instance_of((int, float)))
+
+
+@attrs.frozen
+class Valid:
+    """Run a forward-only validation pass after training epoch ``epoch``."""
+
+    epoch: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+
+
+@attrs.frozen
+class Stop:
+    """Training is over (``reason`` says why, for logs); nothing follows it."""
+
+    reason: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+
+Command: TypeAlias = Train | Valid | Stop
+"""One instruction from the root to every follower."""
+
+
+@attrs.frozen
+class Rendezvous:
+    """Where the root's ``torch.distributed.TCPStore`` listens; followers join the tensor channel there."""
+
+    host: str = attrs.field(validator=attrs.validators.instance_of(str))
+    port: int = attrs.field(
+        validator=[attrs.validators.instance_of(int), attrs.validators.ge(0), attrs.validators.le(65535)]
+    )
+
+
+@runtime_checkable
+class ControlRoot(Protocol):
+    """The root's end of a control channel (rank 0).
+
+    Implementations are async context managers: entering starts whatever runs in the
+    background (listening, heartbeats), leaving stops it and closes the followers'
+    connections.  Leave after broadcasting :class:`Stop` for a clean end; leaving
+    without it tells every follower that the run was aborted.
+    """
+
+    async def on_rendezvous_ready(self, rendezvous: Rendezvous) -> None:
+        """Wait until all ``nranks - 1`` followers have joined, then send each the rendezvous.
+
+        Raises:
+            HandshakeError: not every follower joined within the channel's join timeout
+                (the message names the missing ranks and recent refused peers), or a peer
+                that proved the shared token does not fit this run (another world size,
+                protocol version or model, a rank out of range or taken twice).
+            PeerLostError: a follower that had joined went silent or disconnected.
+            ControlChannelError: any other failure of the channel.
+        """
+        ...
+
+    def peers(self) -> tuple[int, ...]:
+        """The ranks of the followers that have joined so far, sorted."""
+        ...
+
+    async def broadcast(self, command: Command) -> None:
+        """Send ``command`` to every follower, in the order of the calls.
+
+        Raises:
+            PeerLostError: a follower is gone (the message names its rank).
+            ControlChannelError: called before :meth:`on_rendezvous_ready` or after
+                :class:`Stop`, or the channel failed otherwise.
+        """
+        ...
+
+
+@runtime_checkable
+class ControlFollower(Protocol):
+    """A follower's end of a control channel (ranks ``1..nranks-1``).
+
+    Implementations are async context managers, like :class:`ControlRoot`.
+    """
+
+    async def join(self) -> tuple[Rendezvous, AsyncIterator[Command]]:
+        """Join the root; return the rendezvous and the iterator of the root's commands.
+
+        The iterator yields every broadcast command in order and ends right after
+        yielding :class:`Stop`.  Iterating raises :class:`PeerLostError` if the root
+        goes silent, disconnects or aborts the run before sending ``Stop``.
+
+        Raises:
+            HandshakeError: the root refused this follower; the message carries the
+                root's reason (wrong token, other model, world size...).
+            ControlChannelError: the root could not be reached before the deadline, or
+                did not prove the shared token.
+            PeerLostError: the root went away before sending the rendezvous.
+        """
+        ...

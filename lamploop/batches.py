@@ -34,18 +34,40 @@ BatchStream: TypeAlias = AsyncIterable[Batch]
 
 @attrs.frozen
 class BatchContext:
-    """Which stream to make: the epoch, this rank and the number of ranks."""
+    """Which stream to make: the epoch, this rank and the number of ranks.
+
+    Raises:
+        ConfigurationError: ``epoch < 0``, ``nranks < 1`` or ``rank`` not in ``0..nranks-1``.
+    """
 
     epoch: int
     rank: int = 0
     nranks: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.epoch < 0:
+            msg = f"BatchContext: epoch must be >= 0, got {self.epoch}"
+            raise ConfigurationError(msg)
+        if self.nranks < 1:
+            msg = f"BatchContext: nranks must be >= 1, got {self.nranks}"
+            raise ConfigurationError(msg)
+        if not 0 <= self.rank < self.nranks:
+            msg = f"BatchContext: rank must be in 0..{self.nranks - 1}, got {self.rank}"
+            raise ConfigurationError(msg)
 
 
 BatchStreamFactory: TypeAlias = Callable[[BatchContext], BatchStream]
 
 
 def epoch_seed(seed: int, *parts: int) -> int:
-    """A 63-bit seed mixed from ``seed`` and ``parts`` (epoch, rank...) by NumPy's SeedSequence."""
+    """A 63-bit seed mixed from ``seed`` and ``parts`` (epoch, rank...) by NumPy's SeedSequence.
+
+    Raises:
+        ConfigurationError: a negative seed or part.
+    """
+    if seed < 0 or any(part < 0 for part in parts):
+        msg = f"seeds must be >= 0, got seed={seed} and {parts}"
+        raise ConfigurationError(msg)
     state = np.random.SeedSequence([seed, *parts]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
@@ -72,6 +94,9 @@ def tensor_batches(
     """
     if batch_size < 1:
         msg = f"tensor_batches: batch_size must be >= 1, got {batch_size}"
+        raise ConfigurationError(msg)
+    if seed < 0:
+        msg = f"tensor_batches: seed must be >= 0, got {seed}"
         raise ConfigurationError(msg)
     n = int(target.shape[0])
     if int(features.shape[0]) != n:

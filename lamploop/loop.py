@@ -69,7 +69,7 @@ def _validate(
     if schedule.needs_validation_loss and not has_validation:
         msg = (
             f"epochs: the learning-rate schedule {type(schedule).__name__} needs a validation loss, "
-            "but no validation epoch (validation stream) was given"
+            "but validation_epoch is None (no validation stream was given)"
         )
         raise ConfigurationError(msg)
     expected_frequency = getattr(schedule, "validation_frequency", validation_frequency)

@@ -175,7 +175,7 @@ def decrement(every: int, fraction: float) -> Decrement:
     Raises:
         ConfigurationError: ``every < 1`` or ``fraction`` not in ``[0, 1]``.
     """
-    _require(every >= 1, f"decrement: every must be >= 1, got {every}")
+    _require(isinstance(every, int) and every >= 1, f"decrement: every must be an int >= 1, got {every!r}")
     _require(0.0 <= fraction <= 1.0, f"decrement: fraction must be in [0, 1], got {fraction}")
     return Decrement(every, fraction)
 
@@ -184,12 +184,16 @@ def linear(start: float, end: float, max_steps: int) -> Linear:
     """Go linearly from ``start`` (epoch 0) to ``end`` (epoch ``max_steps`` and after).
 
     ``start + (end - start) * min(epoch, max_steps) / max_steps``; with
-    ``end <= 0`` training stops at epoch ``max_steps``.
+    ``end == 0`` training stops at epoch ``max_steps``, with ``end < 0`` at the
+    first epoch whose factor is <= 0.
 
     Raises:
         ConfigurationError: ``max_steps < 1``.
     """
-    _require(max_steps >= 1, f"linear: max_steps must be >= 1, got {max_steps}")
+    _require(
+        isinstance(max_steps, int) and max_steps >= 1,
+        f"linear: max_steps must be an int >= 1, got {max_steps!r}",
+    )
     return Linear(start, end, max_steps)
 
 
@@ -305,4 +309,6 @@ def reduce_lr_on_plateau(
         validation_frequency >= 1,
         f"reduce_lr_on_plateau: validation_frequency must be >= 1, got {validation_frequency}",
     )
-    return ReduceLrOnPlateau(start_factor, reduce_factor, patience, threshold, min_factor, validation_frequency)
+    return ReduceLrOnPlateau(
+        start_factor, reduce_factor, patience, threshold, min_factor, validation_frequency
+    )

@@ -163,7 +163,7 @@ class _Connection:
         self.stream = stream
         self.peer = peer
         self.rank: int | None = None
-        self.finished = False  # Stop went through: the peer's EOF and silence are expected now
+        self.finished = False  # Stop went through, or this side is leaving: the peer's EOF is expected
         self._max_frame_bytes = max_frame_bytes
         self._send_timeout = send_timeout
         self._decoder = FrameDecoder(max_frame_bytes=max_frame_bytes)
@@ -256,12 +256,14 @@ class _Supervisor:
 
     The first failure wins.  If the owner is waiting in one of the channel's methods
     (inside :meth:`waiting`) that method raises it; otherwise the owner's ``async with``
-    body is cancelled and :meth:`exit` raises it.
+    body -- and only the body: the background tasks still have last words to say -- is
+    cancelled, and :meth:`close` raises the failure.
     """
 
     def __init__(self) -> None:
         self.failure: ControlChannelError | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._body: anyio.CancelScope | None = None
         self._waiting = 0
         self.on_failure: Callable[[], None] = lambda: None
 
@@ -273,11 +275,14 @@ class _Supervisor:
         return self._tg
 
     async def enter(self) -> None:
+        """Start the task group, then a cancel scope around the owner's body (left in :meth:`leave_body`)."""
         if self._tg is not None:
             msg = "a control channel can be entered only once"
             raise ControlChannelError(msg)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._body = anyio.CancelScope()
+        self._body.__enter__()
 
     def fail(self, error: ControlChannelError) -> None:
         if self.failure is not None:
@@ -285,8 +290,8 @@ class _Supervisor:
             return
         self.failure = error
         self.on_failure()
-        if self._waiting == 0 and self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        if self._waiting == 0 and self._body is not None:
+            self._body.cancel()
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -301,24 +306,34 @@ class _Supervisor:
         finally:
             self._waiting -= 1
 
-    async def exit(self, exc: BaseException | None) -> bool:
-        """Stop every task; raise the recorded failure unless the body's own exception explains more."""
+    def leave_body(self, exc: BaseException | None) -> BaseException | None:
+        """Leave the body's scope; the exception still in flight (``None`` if it was our cancellation)."""
+        if self._body is None:
+            msg = "the control channel was not entered"
+            raise ControlChannelError(msg)
+        if self._body.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None):
+            return None
+        return exc
+
+    async def close(self, exc: BaseException | None, *, swallowed: bool) -> bool:
+        """Stop every task; raise the recorded failure unless the body's own exception explains more.
+
+        ``exc`` is what :meth:`leave_body` returned; ``swallowed`` says whether it swallowed
+        the body's cancellation (then this returns ``True`` or raises the failure).
+        """
         tg = self.tg
         tg.cancel_scope.cancel()
-        if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
-            # Our own cancellation of the body is swallowed here; an outer one propagates.
-            suppressed = bool(
-                await tg.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
-            )
+        if exc is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+            # An outer cancellation: the task group re-raises it.
+            await tg.__aexit__(type(exc), exc, exc.__traceback__)
         else:
-            # The tasks never raise, so this ends cleanly and the body's exception propagates unwrapped.
+            # The tasks never raise, so the group ends cleanly and the body's exception propagates unwrapped.
             await tg.__aexit__(None, None, None)
-            suppressed = False
         if self.failure is not None and exc is not self.failure:
-            if exc is None or suppressed:
+            if exc is None:
                 raise self.failure
             logger.warning("control channel failure while the block ended with an error: %s", self.failure)
-        return suppressed
+        return swallowed and exc is None
 
 
 # --- the root ----------------------------------------------------------------------------------
@@ -418,7 +433,8 @@ class TcpControlRoot:
         try:
             self._address = await self._sup.tg.start(self._serve)
         except OSError as exc:
-            await self._sup.exit(None)
+            self._sup.leave_body(None)
+            await self._sup.close(None, swallowed=False)
             msg = f"the control root cannot listen on {self._host}:{self._port}: {exc}"
             raise ControlChannelError(msg) from exc
         logger.info("control root listening on %s:%d for %d followers", *self._address, self._nranks - 1)
@@ -427,15 +443,19 @@ class TcpControlRoot:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
+        remaining = self._sup.leave_body(exc)
         with anyio.CancelScope(shield=True), anyio.move_on_after(_GOODBYE_TIMEOUT):
-            if self._stop_sent and exc is None and self._sup.failure is None:
-                if self._serving:  # let each follower read Stop and close first, so no data is reset
-                    await self._all_served.wait()
-            elif not self._stop_sent:
-                reason = _describe_exit(exc, self._sup.failure, "root")
+            if not self._stop_sent:
+                # Tell every follower why the run ends, then close our side.
+                reason = _describe_exit(remaining, self._sup.failure, "root")
                 for conn in list(self._peers.values()):
+                    conn.finished = True  # their closing is expected now
                     await conn.send_best_effort(Abort(reason))
-        return await self._sup.exit(exc)
+                    await conn.send_eof()
+            # Read each follower until it closes too, so that nothing we sent is lost to a reset.
+            if self._serving:
+                await self._all_served.wait()
+        return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
 
     def _wake_up(self) -> None:
         self._joined_or_failed.set()
@@ -573,16 +593,18 @@ class TcpControlRoot:
             await conn.send_best_effort(Refuse(reason))
             self._sup.fail(HandshakeError(f"refused rank {rank} ({conn.peer}): {reason}"))
             return None
+        # Take the rank before the first await, so that a duplicate cannot slip in meanwhile.
         conn.rank = rank
         self._peers[rank] = conn
         self._serving += 1
-        logger.info("control root: rank %d joined from %s", rank, conn.peer)
-        if len(self._peers) == self._nranks - 1:
-            self._joined_or_failed.set()
         try:
             await conn.send(Welcome(root_proof(self._token, root_nonce=root_nonce, hello=hello)))
         except ControlChannelError as exc:
             self._lost(conn, f"is gone: {exc}")
+            return rank
+        logger.info("control root: rank %d joined from %s", rank, conn.peer)
+        if len(self._peers) == self._nranks - 1:
+            self._joined_or_failed.set()  # after the welcome, so the rendezvous cannot overtake it
         return rank
 
     async def _authenticate(self, conn: _Connection) -> tuple[Hello, str]:
@@ -771,16 +793,17 @@ class TcpControlFollower:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         conn = self._conn
+        remaining = self._sup.leave_body(exc)
         try:
             if conn is not None and conn.rank is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(_GOODBYE_TIMEOUT):
-                    if conn.finished and exc is None and self._sup.failure is None:
-                        await self._drained.wait()  # read the root's EOF first, so nothing is reset
-                    elif not conn.finished:
-                        await conn.send_best_effort(
-                            Abort(_describe_exit(exc, self._sup.failure, f"follower of rank {self.rank}"))
-                        )
-            return await self._sup.exit(exc)
+                    if not conn.finished:  # leaving before Stop: tell the root why
+                        conn.finished = True
+                        who = f"follower of rank {self.rank}"
+                        await conn.send_best_effort(Abort(_describe_exit(remaining, self._sup.failure, who)))
+                        await conn.send_eof()
+                    await self._drained.wait()  # read until the root closes, so nothing is lost to a reset
+            return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
         finally:
             self._send_commands.close()
             self._commands.close()

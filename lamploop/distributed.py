@@ -218,12 +218,20 @@ async def drive_distributed_training(
     if nranks > 1 and control is None:
         msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
         raise ConfigurationError(msg)
-    module = model.module.to(device)
-    if init_state is not None:
-        module.load_state_dict(init_state.model)
-    optimizer = optimizer_factory(module.parameters())
-    if init_state is not None and init_state.optimizer:
-        optimizer.load_state_dict(dict(init_state.optimizer))
+    module = model.module
+
+    def set_up() -> torch.optim.Optimizer:
+        module.to(device)
+        if init_state is not None:
+            module.load_state_dict(init_state.model)
+        optimizer = optimizer_factory(module.parameters())
+        if init_state is not None and init_state.optimizer:
+            optimizer.load_state_dict(dict(init_state.optimizer))
+        return optimizer
+
+    # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop,
+    # which answers the followers' handshakes, free meanwhile.
+    optimizer = await anyio.to_thread.run_sync(set_up)
     best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
 
     async def connect() -> Any:
@@ -353,10 +361,15 @@ async def follow_distributed_training(
             "and needs optimizer_factory"
         )
         raise ConfigurationError(msg)
-    module = model.module.to(device)
-    optimizer = (
-        optimizer_factory(module.parameters()) if strategy == "all_reduce" and optimizer_factory else None
-    )
+    module = model.module
+
+    def set_up() -> torch.optim.Optimizer | None:
+        module.to(device)
+        return (
+            optimizer_factory(module.parameters()) if strategy == "all_reduce" and optimizer_factory else None
+        )
+
+    optimizer = await anyio.to_thread.run_sync(set_up)
     rendezvous, commands = await control.join()
 
     async def connect() -> Any:

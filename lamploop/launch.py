@@ -62,11 +62,26 @@ class LaunchEnv:
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
+    if name not in environ:
+        msg = f"environment variable {name} is not set"
+        raise ConfigurationError(msg)
     try:
         return int(environ[name])
     except ValueError:
         msg = f"environment variable {name}={environ[name]!r} is not an integer"
         raise ConfigurationError(msg) from None
+
+
+def _place(environ: Mapping[str, str], rank_name: str, size_name: str) -> tuple[int, int]:
+    """``(rank, world_size)`` read from two variables, checked against each other."""
+    rank, size = _int(environ, rank_name), _int(environ, size_name)
+    if size < 1:
+        msg = f"environment variable {size_name}={size} must be >= 1"
+        raise ConfigurationError(msg)
+    if not 0 <= rank < size:
+        msg = f"environment variable {rank_name}={rank} must be in 0..{size - 1} ({size_name}={size})"
+        raise ConfigurationError(msg)
+    return rank, size
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -81,10 +96,10 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
         if not host or not port.isdigit():
             msg = f"LAMPLOOP_CONTROL must be host:port, got {env.get('LAMPLOOP_CONTROL')!r}"
             raise ConfigurationError(msg)
-        rank = _int(env, "LAMPLOOP_RANK")
+        rank, size = _place(env, "LAMPLOOP_RANK", "LAMPLOOP_WORLD_SIZE")
         return LaunchEnv(
             rank=rank,
-            world_size=_int(env, "LAMPLOOP_WORLD_SIZE"),
+            world_size=size,
             local_rank=rank,
             launcher="lamploop",
             root_host=host,
@@ -92,9 +107,10 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             token=env.get("LAMPLOOP_TOKEN"),
         )
     if "RANK" in env and "WORLD_SIZE" in env:
+        rank, size = _place(env, "RANK", "WORLD_SIZE")
         return LaunchEnv(
-            rank=_int(env, "RANK"),
-            world_size=_int(env, "WORLD_SIZE"),
+            rank=rank,
+            world_size=size,
             local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
             launcher="torchrun",
             root_host=env.get("MASTER_ADDR", "127.0.0.1"),
@@ -107,15 +123,16 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
         if not root:
             msg = "under Slurm set LAMPLOOP_ROOT_ADDR to the address of the node running rank 0"
             raise ConfigurationError(msg)
-        if "LAMPLOOP_TOKEN" not in env:
+        if not env.get("LAMPLOOP_TOKEN"):
             msg = (
                 "under Slurm set LAMPLOOP_TOKEN to a shared secret "
                 "(e.g. `export LAMPLOOP_TOKEN=$(openssl rand -hex 16)`)"
             )
             raise ConfigurationError(msg)
+        rank, size = _place(env, "SLURM_PROCID", "SLURM_NTASKS")
         return LaunchEnv(
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=_int(env, "SLURM_NTASKS"),
+            rank=rank,
+            world_size=size,
             local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
             launcher="slurm",
             root_host=root,

@@ -60,6 +60,8 @@ class _Aborted:
 def _describe_exit(exc: BaseException | None, what: str) -> str:
     if exc is None:
         return f"the {what} closed the channel before Stop"
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return f"the {what} was cancelled"
     return f"the {what} failed: {type(exc).__name__}: {exc}"[:1000]
 
 

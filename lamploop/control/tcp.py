@@ -17,7 +17,8 @@ and nothing else happens.  A peer with the proof that does not fit the run (prot
 version, world size, rank, a rank already joined, model spec) is refused *and* fails
 the root with a :class:`HandshakeError` naming the mismatch, since the job cannot
 succeed.  Once joined, a peer that is silent past the heartbeat timeout, disconnects or
-aborts before :class:`Stop` fails its counterpart with :class:`PeerLostError`.
+aborts before :class:`Stop` fails its counterpart with :class:`PeerLostError`; a side
+that leaves early first sends ``Abort(reason)``, so that the other side's error says why.
 
 Failures surface where the owner is waiting: from :meth:`TcpControlRoot.on_rendezvous_ready`,
 :meth:`~TcpControlRoot.broadcast`, :meth:`TcpControlFollower.join` or the commands
@@ -174,16 +175,20 @@ class _Connection:
     def encode(self, message: Message) -> bytes:
         return encode_frame(message, max_frame_bytes=self._max_frame_bytes)
 
-    async def send(self, message: Message | bytes) -> None:
-        """Send a message (or an already encoded frame); raises ControlChannelError."""
+    async def send(self, message: Message | bytes, *, unless_closed: bool = False) -> bool:
+        """Send a message (or an already encoded frame); raises ControlChannelError.
+
+        Once this side has closed for sending, raises too, or with ``unless_closed`` returns
+        ``False`` instead.
+        """
         data = message if isinstance(message, bytes) else self.encode(message)
         try:
             with anyio.fail_after(self._send_timeout):
                 async with self._send_lock:
                     if self._write_closed:
-                        msg = (
-                            f"cannot send to {self.peer}: this side already closed the connection for sending"
-                        )
+                        if unless_closed:
+                            return False
+                        msg = f"cannot send to {self.peer}: this side has closed the connection for sending"
                         raise ControlChannelError(msg)
                     await self.stream.send(data)
         except TimeoutError as exc:
@@ -192,12 +197,6 @@ class _Connection:
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             msg = f"sending to {self.peer} failed: {_explain(exc)}"
             raise ControlChannelError(msg) from exc
-
-    async def send_heartbeat(self) -> bool:
-        """Send a heartbeat unless this side has closed for sending; returns whether it did."""
-        if self._write_closed:
-            return False
-        await self.send(Heartbeat())
         return True
 
     async def send_best_effort(self, message: Message) -> None:
@@ -238,7 +237,7 @@ class _Connection:
         while True:
             await anyio.sleep(interval)
             try:
-                if not await self.send_heartbeat():
+                if not await self.send(Heartbeat(), unless_closed=True):
                     return
             except ControlChannelError as exc:
                 on_error(exc)

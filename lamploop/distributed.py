@@ -69,6 +69,25 @@ EpochRunner = Callable[[Callable[[], Awaitable[float]]], Awaitable[float]]
 _STORE_PREFIX = "lamploop"
 
 
+_LOST_PEER_GRACE_S = 3.0
+"""A dead rank breaks a collective at once; its control connection tells which rank it was
+a moment later."""
+
+
+async def _named_peer_failures(run: Awaitable[T], control: object, nranks: int) -> T:
+    """Await ``run``; if a collective fails, give the control channel time to name the lost rank.
+
+    The control channel cancels this task and raises :class:`PeerLostError` naming the rank
+    if it notices one; otherwise the collective's :class:`DistributedError` stands.
+    """
+    try:
+        return await run
+    except DistributedError:
+        if control is not None and nranks > 1:
+            await anyio.sleep(_LOST_PEER_GRACE_S)
+        raise
+
+
 async def _run_here(epoch: Callable[[], Awaitable[float]]) -> float:
     return await epoch()
 
@@ -290,24 +309,22 @@ async def drive_distributed_training(
                 )
                 await checkpoint_state(data, schedule_state)
 
-        try:
-            state = await epochs(
-                max_epochs=max_epochs,
-                train_epoch=train_epoch,
-                validation_epoch=validation_epoch if validation_batches is not None else None,
-                save_min_validation_loss_model=save_best,
-                checkpoint_state=after_epoch,
-                validation_frequency=validation_frequency,
-                return_min_validation_loss_model=return_min_validation_loss_model,
-                learning_rate_schedule=learning_rate_schedule,
-                init_state=init_state.loop_state if init_state is not None else None,
-                learning_rate_schedule_init_state=learning_rate_schedule_init_state,
-                validation_loss_exponential_smoothing_factor=validation_loss_exponential_smoothing_factor,
-            )
-        except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await tell(Stop(reason="the root failed"))
-            raise
+        # On failure no Stop is sent: leaving the control channel without it aborts
+        # the followers with the root's reason instead of ending them as if all went well.
+        run = epochs(
+            max_epochs=max_epochs,
+            train_epoch=train_epoch,
+            validation_epoch=validation_epoch if validation_batches is not None else None,
+            save_min_validation_loss_model=save_best,
+            checkpoint_state=after_epoch,
+            validation_frequency=validation_frequency,
+            return_min_validation_loss_model=return_min_validation_loss_model,
+            learning_rate_schedule=learning_rate_schedule,
+            init_state=init_state.loop_state if init_state is not None else None,
+            learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+            validation_loss_exponential_smoothing_factor=validation_loss_exponential_smoothing_factor,
+        )
+        state = await _named_peer_failures(run, control, nranks)
         await tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
     if best:
         module.load_state_dict(best)
@@ -395,19 +412,23 @@ async def follow_distributed_training(
             device=device,
             optimizer=optimizer,
         )
-        async for command in commands:
-            if isinstance(command, Train):
-                await _run_epoch(functools.partial(replica.train, command.epoch, command.lr_factor))
-            elif isinstance(command, Valid):
-                if validation_batches is None:
-                    msg = (
-                        f"rank {rank}: the root validates in epoch {command.epoch}, "
-                        "but this rank has no validation_batches"
-                    )
-                    raise ConfigurationError(msg)
-                await _run_epoch(functools.partial(replica.validate, command.epoch))
-            else:
-                return
+
+        async def obey() -> None:
+            async for command in commands:
+                if isinstance(command, Train):
+                    await _run_epoch(functools.partial(replica.train, command.epoch, command.lr_factor))
+                elif isinstance(command, Valid):
+                    if validation_batches is None:
+                        msg = (
+                            f"rank {rank}: the root validates in epoch {command.epoch}, "
+                            "but this rank has no validation_batches"
+                        )
+                        raise ConfigurationError(msg)
+                    await _run_epoch(functools.partial(replica.validate, command.epoch))
+                else:
+                    return
+
+        await _named_peer_failures(obey(), control, nranks)
 
 
 async def local_data_parallel_training_loop(

@@ -31,7 +31,10 @@ from lamploop.process_group import ProcessGroupChannel, new_process_group
 
 def mlp(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(1024, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(1024, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
         torch.nn.Linear(width, 10),
     )
 
@@ -50,7 +53,10 @@ def main() -> int:
     rounds = 3 if args.quick else 7
     base = mlp(4096).to(device)
     n_params = sum(p.numel() for p in base.parameters())
-    batches = [(torch.randn(256, 1024, device=device), torch.randint(0, 10, (256,), device=device)) for _ in range(steps)]
+    batches = [
+        (torch.randn(256, 1024, device=device), torch.randint(0, 10, (256,), device=device))
+        for _ in range(steps)
+    ]
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("nccl", store=dist.PrefixStore("ddp", store), rank=0, world_size=1)
@@ -69,6 +75,7 @@ def main() -> int:
         async def gen():
             for b in batches:
                 yield b
+
         return gen()
 
     def lamploop_single(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -79,13 +86,17 @@ def main() -> int:
         channel = ProcessGroupChannel(group, rank=0, nranks=1, device=device, strategy="all_reduce")
         channel.attach(module)
         model = lamploop.SupervisedModel(module)
-        anyio.run(lambda: lamploop.one_epoch(model=model, batches=stream(), channel=channel, step_optimizer=opt.step))
+        anyio.run(
+            lambda: lamploop.one_epoch(
+                model=model, batches=stream(), channel=channel, step_optimizer=opt.step
+            )
+        )
         channel.close()
 
     variants = {"hand": hand, "lamploop": lamploop_single, "lamploop-nccl1": lamploop_nccl, "ddp-nccl1": ddp}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds + 1):
-        order = list(variants)[r % len(variants):] + list(variants)[: r % len(variants)]
+        order = list(variants)[r % len(variants) :] + list(variants)[: r % len(variants)]
         for name in order:
             module = copy.deepcopy(base)
             opt = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
@@ -97,14 +108,25 @@ def main() -> int:
                 times[name].append((time.perf_counter() - start) / steps)
     hand_median = statistics.median(times["hand"])
     rows = []
-    print(f"{torch.cuda.get_device_name(0)}, MLP {n_params / 1e6:.1f}M params, batch 256, {steps} steps x {rounds} rounds")
+    print(
+        f"{torch.cuda.get_device_name(0)}, MLP {n_params / 1e6:.1f}M params, batch 256, {steps} steps x {rounds} rounds"
+    )
     print(f"{'variant':16} {'ms/step':>9} {'steps/s':>9} {'/ hand':>8}")
     for name, values in times.items():
         median = statistics.median(values)
-        rows.append({"variant": name, "seconds_per_step": values, "median": median, "ratio_to_hand": median / hand_median})
+        rows.append(
+            {
+                "variant": name,
+                "seconds_per_step": values,
+                "median": median,
+                "ratio_to_hand": median / hand_median,
+            }
+        )
         print(f"{name:16} {median * 1e3:9.3f} {1 / median:9.1f} {median / hand_median:8.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "params": n_params, "rows": rows}, indent=2))
+    args.json.write_text(
+        json.dumps({"device": torch.cuda.get_device_name(0), "params": n_params, "rows": rows}, indent=2)
+    )
     dist.destroy_process_group()
     return 0
 

@@ -77,8 +77,13 @@ async def follower(port: int) -> None:
         model_spec=model_spec(model.module),
     ) as control:
         await follow_distributed_training(
-            rank=1, nranks=NRANKS, device="cpu", control=control, model=model,
-            train_batches=data(), validation_batches=data(),
+            rank=1,
+            nranks=NRANKS,
+            device="cpu",
+            control=control,
+            model=model,
+            train_batches=data(),
+            validation_batches=data(),
         )
 
 

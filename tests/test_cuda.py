@@ -71,7 +71,9 @@ def test_fit_on_cuda_reaches_the_cpu_result() -> None:
     results = []
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+        module = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+        ).double()
         state = lamploop.fit(
             model=lamploop.SupervisedModel(module),
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),

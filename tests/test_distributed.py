@@ -16,13 +16,10 @@ work, so they run in-process: root and follower as tasks of one event loop.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
@@ -30,6 +27,7 @@ import anyio.abc
 import pytest
 import torch
 from torch import nn
+from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
 import lamploop
 from lamploop import ALL_EPOCHS, LoopState, SupervisedModel
@@ -42,21 +40,6 @@ from lamploop.distributed import (
 )
 from lamploop.errors import HandshakeError
 from lamploop.modelspec import model_spec
-
-
-def _load_worker() -> ModuleType:
-    name = "lamploop_tests_worker"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "workers" / "rank.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-worker = _load_worker()
 
 pytestmark = pytest.mark.slow
 

@@ -20,36 +20,19 @@ The tests then check what the fixture saw.  Every wait is bounded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
 import lamploop
 from lamploop.control.wire import Challenge, FrameDecoder, Refuse
-
-
-def _load_worker() -> ModuleType:
-    name = "lamploop_tests_worker"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "workers" / "rank.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-worker = _load_worker()
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -10,36 +10,20 @@ batches of 8 see, step by step, what one rank sees with batches of 16).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
 import lamploop
 from lamploop.errors import ConfigurationError
 from lamploop.launch import DEFAULT_SLURM_CONTROL_PORT, LaunchEnv, launch_env
-
-
-def _load_worker() -> ModuleType:
-    name = "lamploop_tests_worker"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "workers" / "rank.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-worker = _load_worker()
 
 LAMPLOOP = {
     "LAMPLOOP_RANK": "2",

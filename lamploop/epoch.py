@@ -29,7 +29,7 @@ import torch
 from lamploop.batches import Batch, BatchStream
 from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
 from lamploop.model import SupervisedModel
-from lamploop.tensors import SingleProcessChannel, TensorChannel
+from lamploop.tensors import PendingSum, SingleProcessChannel, TensorChannel
 
 __all__ = ["one_epoch"]
 
@@ -110,10 +110,6 @@ def _check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | Non
     place = "" if epoch is None else f" of epoch {epoch}"
     msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"
     raise NonFiniteLossError(msg, epoch=epoch, batch=None)
-
-
-def _global_count(channel: TensorChannel, local: int) -> int:
-    return int(channel.all_reduce_sum([local])[0])
 
 
 async def _epoch_totals(
@@ -228,12 +224,15 @@ async def _training_pass(
     yield_now = _Yielder()
     stream: AsyncIterator[Any] = aiter(batches)
     upcoming = await anext(stream, None)
+    previous_global_count = 0
     while True:
         group_count = 0
         global_count = 0
-        # One rank knows its whole step up front; with several, the global
-        # count arrives only after the step, so backprop raw sums (expected=1).
-        expected = 1
+        pending: PendingSum | None = None
+        # Backprop loss / expected, expected being a guess of the step's global example
+        # count that every rank makes alike (also a rank with no batch left): finish()
+        # corrects by expected / actual, exactly 1 (no pass) when the guess holds.
+        expected = previous_global_count or 1
         for position in range(k):
             if upcoming is None:
                 break
@@ -242,20 +241,22 @@ async def _training_pass(
             upcoming = await anext(stream, None)
             loss_sum, n = model.loss_sum_and_count(features, target)
             if position == 0 and single:
-                expected = k * n
+                expected = k * n  # one rank knows its step's count up front
             losses.append(loss_sum.detach())
             group_count += n
             if position == k - 1 or upcoming is None:
-                # Every rank reduces the count before any gradient bucket, so the
+                # Every rank starts the count before any gradient bucket, so the
                 # collectives pair up in the same order on all ranks.
-                global_count = group_count if single else _global_count(channel, group_count)
+                pending = channel.begin_all_reduce_sum([group_count])
                 sync.arm()
             (loss_sum / expected if expected != 1 else loss_sum).backward()
-        if group_count == 0 and not single:
-            global_count = _global_count(channel, 0)
+        if pending is None:
+            pending = channel.begin_all_reduce_sum([group_count])
+        global_count = int(pending.wait()[0])
         if global_count == 0:
             break
         count += group_count
+        previous_global_count = global_count
         sync.finish(expected / global_count)
         step_optimizer()
         sync.after_step()

@@ -105,20 +105,25 @@ def _wait(work: Any, what: str, rank: int) -> None:
 
 
 def _buckets(params: Sequence[torch.Tensor], cap_mb: float) -> list[list[int]]:
-    """Indices of ``params`` grouped in buckets of at most ``cap_mb`` (one dtype and device each)."""
+    """Indices of ``params`` in buckets, one dtype and device each.
+
+    As in DistributedDataParallel a bucket closes once it holds ``cap_mb`` or
+    more (1 MiB for the first), so the small last layers start communicating
+    early and a large tensor does not wait for its neighbours to fill a bucket.
+    """
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     cap = _FIRST_BUCKET_CAP_MB * 2**20
     for i, p in enumerate(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (
-            size + nbytes > cap or p.dtype != params[current[0]].dtype or p.device != params[current[0]].device
-        ):
+        if current and (p.dtype != params[current[0]].dtype or p.device != params[current[0]].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel() * p.element_size()
+        if size >= cap:
             buckets.append(current)
             current, size, cap = [], 0, cap_mb * 2**20
-        current.append(i)
-        size += nbytes
     if current:
         buckets.append(current)
     return buckets
@@ -140,6 +145,17 @@ class _FlatBuckets:
                 self.views[i] = flat[offset : offset + n].view_as(tensors[i])
                 offset += n
             self.flats.append(flat)
+
+
+class _PendingSum:
+    def __init__(self, work: Any, values: torch.Tensor, rank: int) -> None:
+        self._work = work
+        self._values = values
+        self._rank = rank
+
+    def wait(self) -> list[float]:
+        _wait(self._work, "all-reduce of losses and counts", self._rank)
+        return [float(v) for v in self._values.tolist()]
 
 
 class BucketedGradients:
@@ -183,7 +199,7 @@ class BucketedGradients:
         self._armed = False
         self._handles = []
         for i, p in enumerate(params):
-            p.grad = self._grads.views[i]
+            p.grad = None
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
         self._broadcasts: dict[int, Any] = {}
         if strategy == "reduce_to_root":
@@ -204,7 +220,16 @@ class BucketedGradients:
                     self._handles.append(m.register_forward_pre_hook(self._await_parameters(needed)))
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def on_gradient(_: torch.Tensor) -> None:
+        view = self._grads.views[index]
+
+        def on_gradient(param: torch.Tensor) -> None:
+            # A step starts with .grad = None, so autograd hands over a fresh
+            # gradient: copy it into the bucket once (cheaper than zeroing the
+            # buckets and adding), and later batches of the step add in place.
+            grad = param.grad
+            if grad is not None and grad is not view:
+                view.copy_(grad)
+                param.grad = view
             if not self._armed:
                 return
             b = self._bucket_of[index]
@@ -241,6 +266,8 @@ class BucketedGradients:
         self._armed = True
 
     def finish(self, scale: float) -> None:
+        if len(self._works) < len(self._ready):
+            self._fill_missing_gradients()
         while len(self._works) < len(self._ready):
             self._launch(len(self._works))
         keep = self._strategy == "all_reduce" or self._rank == 0
@@ -253,16 +280,20 @@ class BucketedGradients:
         self._ready = [False] * len(self._ready)
         self._pending = [len(g) for g in self._grads.groups]
 
-    def zero_grad(self) -> None:
-        for flat in self._grads.flats:
-            flat.zero_()
+    def _fill_missing_gradients(self) -> None:
+        """Zero gradients for parameters that got none this step (unused, or no batch left)."""
         for i, p in enumerate(self._params):
-            if p.grad is not self._grads.views[i]:  # someone replaced it, e.g. zero_grad(set_to_none=True)
-                p.grad = self._grads.views[i]
+            view = self._grads.views[i]
+            if p.grad is not view:
+                view.zero_()
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def after_step(self) -> None:
-        for flat in self._grads.flats:
-            flat.zero_()
+        self.zero_grad()
         if self._strategy == "reduce_to_root":
             options = dist.BroadcastOptions()
             options.rootRank = 0
@@ -335,9 +366,11 @@ class ProcessGroupChannel:
         return sync
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        return self.begin_all_reduce_sum(values).wait()
+
+    def begin_all_reduce_sum(self, values: Sequence[float]) -> _PendingSum:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._stats_device())
-        _wait(self._group.allreduce([t]), "all-reduce of losses and counts", self._rank)
-        return [float(v) for v in t.tolist()]
+        return _PendingSum(self._group.allreduce([t]), t, self._rank)
 
     def _stats_device(self) -> torch.device:
         return self._device if self._device.type == "cuda" else torch.device("cpu")

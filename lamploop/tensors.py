@@ -19,7 +19,23 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["GradientSync", "SingleProcessChannel", "TensorChannel"]
+__all__ = ["GradientSync", "PendingSum", "SingleProcessChannel", "TensorChannel"]
+
+
+class PendingSum(Protocol):
+    """A sum over ranks in flight."""
+
+    def wait(self) -> list[float]:
+        """Block until the sum is known and return it."""
+        ...
+
+
+class _KnownSum:
+    def __init__(self, values: Sequence[float]) -> None:
+        self._values = [float(v) for v in values]
+
+    def wait(self) -> list[float]:
+        return self._values
 
 
 class GradientSync(Protocol):
@@ -63,6 +79,10 @@ class TensorChannel(Protocol):
         """Sum small float vectors over all ranks (float64, blocking)."""
         ...
 
+    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
+        """Start summing ``values`` over all ranks; ``.wait()`` gives the sums."""
+        ...
+
 
 class _LocalGradients:
     """One rank: gradients are already complete; only the scale is applied."""
@@ -102,3 +122,7 @@ class SingleProcessChannel:
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """The sum over one rank is the values themselves."""
         return [float(v) for v in values]
+
+    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
+        """Already known: the values themselves."""
+        return _KnownSum(values)

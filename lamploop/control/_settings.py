@@ -1,0 +1,101 @@
+"""The arguments both ends of the TCP control channel take: checked once, then held as small frozen values.
+
+:class:`Run` is what every rank of one run must agree on (the handshake compares it),
+:class:`Link` how every connection behaves.  Every check names the argument and the bad
+value and raises :class:`~lamploop.errors.ConfigurationError`; :func:`check_int` and
+:func:`check_seconds` also serve the checks that only one end has (port, rank, timeouts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from lamploop.errors import ConfigurationError
+from lamploop.modelspec import ModelSpec
+
+__all__ = ["Link", "Run", "check_int", "check_seconds"]
+
+_MIN_FRAME_BYTES = 1024
+
+
+@attrs.frozen
+class Run:
+    """What every rank of one run shares; a follower that does not match is refused.
+
+    Attributes:
+        nranks: the world size, root included.
+        token: the shared secret, as bytes.
+        model_spec: this rank's model spec.
+    """
+
+    nranks: int
+    token: bytes
+    model_spec: ModelSpec
+
+    @classmethod
+    def checked(cls, nranks: int, token: bytes | str, model_spec: ModelSpec) -> Run:
+        """Check ``nranks``, ``model_spec`` and ``token``, in that order.
+
+        Raises:
+            ConfigurationError: an argument is out of range (names it).
+        """
+        check_int("nranks", nranks, 1)
+        if not isinstance(model_spec, ModelSpec):
+            msg = (
+                f"model_spec must be a ModelSpec (from lamploop.model_spec), got {type(model_spec).__name__}"
+            )
+            raise ConfigurationError(msg)
+        raw = token.encode() if isinstance(token, str) else token
+        if not isinstance(raw, bytes) or not raw:
+            msg = f"token must be a non-empty str or bytes, got {type(token).__name__}"
+            raise ConfigurationError(msg)
+        return cls(nranks, raw, model_spec)
+
+
+@attrs.frozen
+class Link:
+    """How a connection behaves; the same for every connection of a channel.
+
+    Attributes:
+        heartbeat_interval: seconds between heartbeats.
+        heartbeat_timeout: a peer silent this long is lost, and a send may take this long.
+        max_frame_bytes: the largest frame body sent or accepted.
+    """
+
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    max_frame_bytes: int
+
+    @classmethod
+    def checked(cls, heartbeat_interval: float, heartbeat_timeout: float, max_frame_bytes: int) -> Link:
+        """Check the heartbeat's seconds (the timeout must exceed the interval), then ``max_frame_bytes``.
+
+        Raises:
+            ConfigurationError: an argument is out of range (names it).
+        """
+        check_seconds(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
+        if heartbeat_timeout <= heartbeat_interval:
+            msg = (
+                f"heartbeat_timeout={heartbeat_timeout!r} must exceed "
+                f"heartbeat_interval={heartbeat_interval!r}"
+            )
+            raise ConfigurationError(msg)
+        check_int("max_frame_bytes", max_frame_bytes, _MIN_FRAME_BYTES)
+        return cls(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
+
+
+def check_seconds(**values: float) -> None:
+    """Each value is a positive, finite number of seconds; raises ConfigurationError naming the first not."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            msg = f"{name} must be a positive number of seconds, got {value!r}"
+            raise ConfigurationError(msg)
+
+
+def check_int(name: str, value: int, low: int, high: float = math.inf) -> None:
+    """``value`` is an integer (not a bool) in ``[low, high]``; raises ConfigurationError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        msg = f"{name} must be an integer in [{low}, {high}], got {value!r}"
+        raise ConfigurationError(msg)

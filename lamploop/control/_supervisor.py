@@ -1,0 +1,121 @@
+"""Failure bookkeeping of a TCP control channel's end: background failures surface where the owner waits.
+
+Both :class:`~lamploop.control.tcp_root.TcpControlRoot` and
+:class:`~lamploop.control.tcp_follower.TcpControlFollower` run their connections in a
+:class:`Supervisor`'s task group.  The tasks never raise: they report a
+:class:`~lamploop.errors.ControlChannelError` to :meth:`Supervisor.fail`, and the supervisor
+decides where it surfaces (see the class).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import anyio
+import anyio.abc
+
+from lamploop.errors import ControlChannelError
+
+__all__ = ["Supervisor"]
+
+logger = logging.getLogger("lamploop.control")
+
+
+class Supervisor:
+    """A task group whose tasks report failures here instead of raising them.
+
+    The first failure wins.  If the owner is waiting in one of the channel's methods
+    (inside :meth:`waiting`) that method raises it; otherwise the owner's ``async with``
+    body -- and only the body: the background tasks still have last words to say -- is
+    cancelled, and :meth:`close` raises the failure.
+
+    Args:
+        on_failure: called once, on the first failure, to wake up whatever the owner waits on.
+    """
+
+    def __init__(self, on_failure: Callable[[], None]) -> None:
+        self.failure: ControlChannelError | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._body: anyio.CancelScope | None = None
+        self._waiting = 0
+        self._on_failure = on_failure
+
+    @property
+    def tg(self) -> anyio.abc.TaskGroup:
+        if self._tg is None:
+            msg = "use the control channel inside `async with`"
+            raise ControlChannelError(msg)
+        return self._tg
+
+    async def enter(self) -> None:
+        """Start the task group, then a cancel scope around the owner's body (left in :meth:`leave_body`)."""
+        if self._tg is not None:
+            msg = "a control channel can be entered only once"
+            raise ControlChannelError(msg)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._body = anyio.CancelScope()
+        self._body.__enter__()
+
+    def fail(self, error: ControlChannelError) -> None:
+        if self.failure is not None:
+            logger.debug("after the first failure, also: %s", error)
+            return
+        self.failure = error
+        self._on_failure()
+        if self._waiting == 0 and self._body is not None:
+            self._body.cancel()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark the owner as waiting in a channel method, which raises failures itself."""
+        self._waiting += 1
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+
+    def describe_exit(self, exc: BaseException | None, who: str) -> str:
+        """Why the ``who`` leaves, for the Abort sent to its peers; ``exc`` is from :meth:`leave_body`."""
+        if self.failure is not None:
+            return str(self.failure)[:1000]
+        if exc is None:
+            return f"the {who} closed the channel before Stop"
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            return f"the {who} was cancelled"
+        return f"the {who} failed: {type(exc).__name__}: {exc}"[:1000]
+
+    def leave_body(self, exc: BaseException | None) -> BaseException | None:
+        """Leave the body's scope; the exception still in flight (``None`` if it was our cancellation)."""
+        if self._body is None:
+            msg = "the control channel was not entered"
+            raise ControlChannelError(msg)
+        if self._body.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None):
+            return None
+        return exc
+
+    async def close(self, exc: BaseException | None, *, swallowed: bool) -> bool:
+        """Stop every task; raise the recorded failure unless the body's own exception explains more.
+
+        ``exc`` is what :meth:`leave_body` returned; ``swallowed`` says whether it swallowed
+        the body's cancellation (then this returns ``True`` or raises the failure).
+        """
+        tg = self.tg
+        tg.cancel_scope.cancel()
+        if exc is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+            # An outer cancellation: the task group re-raises it.
+            await tg.__aexit__(type(exc), exc, exc.__traceback__)
+        else:
+            # The tasks never raise, so the group ends cleanly and the body's exception propagates unwrapped.
+            await tg.__aexit__(None, None, None)
+        if self.failure is not None and exc is not self.failure:
+            if exc is None:
+                raise self.failure
+            logger.warning("control channel failure while the block ended with an error: %s", self.failure)
+        return swallowed and exc is None

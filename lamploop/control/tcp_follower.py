@@ -1,0 +1,270 @@
+"""A follower's end of the TCP control channel: reach the root, join, and hand out its commands.
+
+:class:`TcpControlFollower` connects with backoff (followers may start before the root
+listens), runs the follower's side of :mod:`lamploop.control._handshake`, keeps a heartbeat
+with the root, and queues the root's commands for the owner's iterator (at most
+:data:`MAX_UNREAD_COMMANDS` unread).  How its failures surface is
+:mod:`lamploop.control._supervisor`'s business; the protocol as a whole is described in
+:mod:`lamploop.control.tcp`.
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
+from lamploop.control._handshake import greet_root
+from lamploop.control._settings import Link, Run, check_int, check_seconds
+from lamploop.control._supervisor import Supervisor
+from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
+from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Abort, Heartbeat
+from lamploop.errors import ControlChannelError, PeerLostError
+from lamploop.modelspec import ModelSpec
+
+__all__ = ["MAX_UNREAD_COMMANDS", "TcpControlFollower"]
+
+logger = logging.getLogger("lamploop.control")
+
+MAX_UNREAD_COMMANDS = 1024
+"""A follower this many commands behind fails with :class:`ControlChannelError`."""
+
+
+class TcpControlFollower:
+    """A follower's end of the TCP control channel; implements :class:`~lamploop.control.ControlFollower`.
+
+    ``async with TcpControlFollower(...) as follower:`` then ``await follower.join()``
+    connects to the root at ``host:port``, retrying with exponential backoff (0.05 s
+    doubling to 1 s) for up to ``connect_timeout`` seconds, so followers may start
+    before the root listens.
+
+    Args:
+        host, port: the root's :attr:`TcpControlRoot.address`.
+        rank: this follower's rank, ``1..nranks-1``.
+        nranks, token: as given to the root.
+        model_spec: this rank's model spec; the root refuses it unless it equals its own.
+        connect_timeout: seconds to keep trying to reach the root.
+        heartbeat_interval, heartbeat_timeout: as for the root; the root is lost when silent
+            past the timeout.
+        handshake_timeout: seconds the root may take to answer, once connected.
+        max_frame_bytes: the largest frame body sent or accepted.
+
+    Raises:
+        ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        nranks: int,
+        token: bytes | str,
+        model_spec: ModelSpec,
+        connect_timeout: float = 60.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        handshake_timeout: float = 10.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        _protocol_version: int = PROTOCOL_VERSION,
+    ) -> None:
+        self._run = Run.checked(nranks, token, model_spec)
+        self._link = Link.checked(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
+        check_seconds(connect_timeout=connect_timeout, handshake_timeout=handshake_timeout)
+        check_int("port", port, 1, 65535)
+        check_int("rank", rank, 1, nranks - 1)
+        self.rank = rank
+        self._host = host
+        self._port = port
+        self._root = f"the root at {host}:{port}"
+        self._connect_timeout = connect_timeout
+        self._handshake_timeout = handshake_timeout
+        self._protocol_version = _protocol_version
+        self._sup = Supervisor(on_failure=self._wake_up)
+        self._conn: Connection | None = None
+        self._rendezvous: Rendezvous | None = None
+        self._rendezvous_or_failed = anyio.Event()
+        self._drained = anyio.Event()
+        self._send_commands: MemoryObjectSendStream[Command]  # made on entering, closed on leaving
+        self._commands: _TcpCommands
+
+    async def __aenter__(self) -> TcpControlFollower:
+        await self._sup.enter()
+        self._send_commands, receive = anyio.create_memory_object_stream[Command](MAX_UNREAD_COMMANDS)
+        self._commands = _TcpCommands(receive, self._sup)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        conn = self._conn
+        remaining = self._sup.leave_body(exc)
+        try:
+            if conn is not None and conn.rank is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
+                    if not conn.finished:  # leaving before Stop: tell the root why
+                        conn.finished = True
+                        who = f"follower of rank {self.rank}"
+                        await conn.send_best_effort(Abort(self._sup.describe_exit(remaining, who)))
+                        await conn.send_eof()
+                    await self._drained.wait()  # read until the root closes, so nothing is lost to a reset
+            return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+        finally:
+            self._send_commands.close()
+            self._commands.close()
+            if conn is not None:
+                await conn.aclose()
+
+    def _wake_up(self) -> None:
+        self._rendezvous_or_failed.set()
+        self._send_commands.close()
+
+    async def join(self) -> tuple[Rendezvous, AsyncIterator[Command]]:
+        """Connect, authenticate both ways, and wait for the root's rendezvous.
+
+        Waiting for the rendezvous is bounded by the root's join timeout (after which the
+        root aborts the run) and by the heartbeat timeout (if the root goes silent).
+
+        Raises:
+            HandshakeError: the root refused this follower (carries the root's reason), or the
+                root did not prove the shared token.
+            ControlChannelError: the root was not reachable within ``connect_timeout``, did
+                not answer within ``handshake_timeout``, or does not speak this protocol;
+                also when called twice or outside ``async with``.
+            PeerLostError: the root went silent, disconnected or aborted before the rendezvous.
+        """
+        tg = self._sup.tg
+        if self._conn is not None:
+            msg = f"rank {self.rank} already called join()"
+            raise ControlChannelError(msg)
+        stream = await self._connect()
+        conn = self._conn = Connection(stream, peer=self._root, link=self._link)
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                await greet_root(conn, self._run, rank=self.rank, protocol_version=self._protocol_version)
+        except TimeoutError as exc:
+            timeout = self._handshake_timeout
+            msg = f"rank {self.rank}: {self._root} did not finish the handshake in {timeout:g} s"
+            raise ControlChannelError(msg) from exc
+        conn.rank = 0
+        logger.info("rank %d joined %s", self.rank, self._root)
+        tg.start_soon(conn.heartbeat_forever, self._on_heartbeat_error)
+        tg.start_soon(self._read_root, conn)
+        with self._sup.waiting():
+            await self._rendezvous_or_failed.wait()
+        self._sup.raise_failure()
+        if self._rendezvous is None:  # the event is set only by the rendezvous or a failure
+            msg = f"rank {self.rank}: woken up without a rendezvous"
+            raise ControlChannelError(msg)
+        return self._rendezvous, self._commands
+
+    async def _connect(self) -> anyio.abc.SocketStream:
+        deadline = anyio.current_time() + self._connect_timeout
+        delay = 0.05
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                with anyio.fail_after(max(deadline - anyio.current_time(), 0.001)):
+                    return await anyio.connect_tcp(self._host, self._port)
+            except OSError as exc:  # includes TimeoutError and refused connections
+                error = exc
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                msg = (
+                    f"rank {self.rank} could not reach {self._root} within {self._connect_timeout:g} s "
+                    f"({attempts} attempts; last error: {type(error).__name__}: {error})"
+                )
+                raise ControlChannelError(msg) from error
+            logger.debug("rank %d: %s not reachable yet (%s); retrying", self.rank, self._root, error)
+            await anyio.sleep(min(delay, remaining))
+            delay = min(delay * 2, 1.0)
+
+    def _on_heartbeat_error(self, exc: ControlChannelError) -> None:
+        self._lost(f"is gone: {exc}")
+
+    def _lost(self, what: str) -> None:
+        conn = self._conn
+        if conn is not None and conn.finished:
+            logger.debug("rank %d: after Stop, %s %s", self.rank, self._root, what)
+            return
+        self._sup.fail(PeerLostError(f"rank {self.rank}: {self._root} {what}"))
+
+    async def _read_root(self, conn: Connection) -> None:
+        try:
+            await self._read_messages(conn)
+        finally:
+            self._drained.set()
+
+    async def _read_messages(self, conn: Connection) -> None:
+        while True:
+            message = await conn.receive_live()
+            if isinstance(message, Gone):
+                self._lost(message.what)
+                return
+            if isinstance(message, Heartbeat) or conn.finished:
+                continue
+            if isinstance(message, Abort):
+                self._lost(f"aborted the run: {message.reason}")
+                return
+            if isinstance(message, Rendezvous) and self._rendezvous is None:
+                self._rendezvous = message
+                self._rendezvous_or_failed.set()
+            elif isinstance(message, (Train, Valid, Stop)) and self._rendezvous is not None:
+                if not self._deliver(message):
+                    return
+                if isinstance(message, Stop):
+                    conn.finished = True  # the root's EOF follows; answer with ours
+                    self._send_commands.close()
+                    await conn.send_eof()
+            else:
+                self._lost(f"broke the protocol: it sent a {type(message).__name__} message")
+                return
+
+    def _deliver(self, command: Command) -> bool:
+        try:
+            self._send_commands.send_nowait(command)
+        except anyio.WouldBlock:
+            msg = f"rank {self.rank} has {MAX_UNREAD_COMMANDS} unread commands: is it reading them?"
+            self._sup.fail(ControlChannelError(msg))
+            return False
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            logger.debug("rank %d: the commands are no longer read; dropping %r", self.rank, command)
+        return True
+
+
+class _TcpCommands(AsyncIterator[Command]):
+    """The root's commands as received by one follower; ends after :class:`Stop`."""
+
+    def __init__(self, receive: MemoryObjectReceiveStream[Command], sup: Supervisor) -> None:
+        self._receive = receive
+        self._sup = sup
+        self._stopped = False
+
+    def close(self) -> None:
+        self._receive.close()
+
+    async def __anext__(self) -> Command:
+        if self._stopped:
+            raise StopAsyncIteration
+        with self._sup.waiting():
+            try:
+                command = await self._receive.receive()
+            except anyio.EndOfStream:
+                self._sup.raise_failure()
+                msg = "the command stream ended before Stop"
+                raise ControlChannelError(msg) from None
+            except anyio.ClosedResourceError as exc:
+                msg = "commands read after the follower was closed"
+                raise ControlChannelError(msg) from exc
+        if isinstance(command, Stop):
+            self._stopped = True
+        return command

@@ -1,0 +1,326 @@
+"""The root's end of the TCP control channel: listen, admit followers, send them the rendezvous and commands.
+
+:class:`TcpControlRoot` accepts connections, runs the handshake of
+:mod:`lamploop.control._handshake` on each (refusing strangers, and failing the run for a
+follower that proves the token but does not fit), keeps a heartbeat with every follower
+that joined, and broadcasts.  How its failures surface is :mod:`lamploop.control._supervisor`'s
+business; the protocol as a whole is described in :mod:`lamploop.control.tcp`.
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute, TaskStatus
+
+from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, remote
+from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
+from lamploop.control._settings import Link, Run, check_int, check_seconds
+from lamploop.control._supervisor import Supervisor
+from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
+from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, Abort, Heartbeat, Refuse, encode_frame
+from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
+from lamploop.modelspec import ModelSpec
+
+__all__ = ["TcpControlRoot"]
+
+logger = logging.getLogger("lamploop.control")
+
+_RECENT_REFUSALS = 16
+
+
+class TcpControlRoot:
+    """The root's end of the TCP control channel; implements :class:`~lamploop.control.ControlRoot`.
+
+    ``async with TcpControlRoot(...) as root:`` listens on ``host:port`` (``port=0`` picks a
+    free port: read :attr:`address`) and admits followers as they connect.
+
+    Args:
+        host, port: where to listen.  Listening on all interfaces (``"0.0.0.0"``) is for
+            trusted networks only; see the security notes in ``docs/control-channel.md``.
+        nranks: the world size, root included.
+        token: the secret every rank shares; peers prove they know it.
+        model_spec: this rank's :func:`~lamploop.modelspec.model_spec`; followers must match it.
+        join_timeout: seconds :meth:`on_rendezvous_ready` waits for every follower to join.
+        heartbeat_interval, heartbeat_timeout: send a heartbeat every interval; a joined
+            follower silent for longer than the timeout is lost.
+        handshake_timeout: a connection must complete the handshake within this many seconds.
+        max_frame_bytes: the largest frame body sent or accepted.
+        max_pending_handshakes: connections handshaking at once; more wait their turn
+            (within ``handshake_timeout``), which bounds the memory strangers can hold.
+
+    Raises:
+        ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        nranks: int,
+        token: bytes | str,
+        model_spec: ModelSpec,
+        join_timeout: float = 60.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        handshake_timeout: float = 5.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_pending_handshakes: int = 64,
+    ) -> None:
+        self._run = Run.checked(nranks, token, model_spec)
+        self._link = Link.checked(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
+        check_seconds(join_timeout=join_timeout, handshake_timeout=handshake_timeout)
+        check_int("port", port, 0, 65535)
+        check_int("max_pending_handshakes", max_pending_handshakes, 1)
+        self._host = host
+        self._port = port
+        self._join_timeout = join_timeout
+        self._handshake_timeout = handshake_timeout
+        self._handshakes = anyio.CapacityLimiter(max_pending_handshakes)
+        self._sup = Supervisor(on_failure=self._wake_up)
+        self._address: tuple[str, int] | None = None
+        self._peers: dict[int, Connection] = {}
+        self._refusals: deque[str] = deque(maxlen=_RECENT_REFUSALS)
+        self._joined_or_failed = anyio.Event()
+        self._serving = 0
+        self._all_served = anyio.Event()
+        self._rendezvous_sent = False
+        self._stop_sent = False
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the root listens on (the real port when ``port=0``)."""
+        if self._address is None:
+            msg = "the root is not listening yet: use `async with TcpControlRoot(...) as root`"
+            raise ControlChannelError(msg)
+        return self._address
+
+    @property
+    def recent_refusals(self) -> tuple[str, ...]:
+        """The last few peers refused for not proving the token, oldest first: ``"host:port: why"``."""
+        return tuple(self._refusals)
+
+    def peers(self) -> tuple[int, ...]:
+        """The ranks of the followers that have joined so far, sorted."""
+        return tuple(sorted(self._peers))
+
+    async def __aenter__(self) -> TcpControlRoot:
+        await self._sup.enter()
+        try:
+            self._address = await self._sup.tg.start(self._serve)
+        except OSError as exc:
+            self._sup.leave_body(None)
+            await self._sup.close(None, swallowed=False)
+            msg = f"the control root cannot listen on {self._host}:{self._port}: {exc}"
+            raise ControlChannelError(msg) from exc
+        logger.info("control root listening on %s:%d for %d followers", *self._address, self._run.nranks - 1)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        remaining = self._sup.leave_body(exc)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
+            if not self._stop_sent:
+                # Tell every follower why the run ends, then close our side.
+                reason = self._sup.describe_exit(remaining, "root")
+                for conn in list(self._peers.values()):
+                    conn.finished = True  # their closing is expected now
+                    await conn.send_best_effort(Abort(reason))
+                    await conn.send_eof()
+            # Read each follower until it closes too, so that nothing we sent is lost to a reset.
+            if self._serving:
+                await self._all_served.wait()
+        return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+
+    def _wake_up(self) -> None:
+        self._joined_or_failed.set()
+
+    async def on_rendezvous_ready(self, rendezvous: Rendezvous) -> None:
+        """Wait until all ``nranks - 1`` followers have joined, then send each the rendezvous.
+
+        Raises:
+            HandshakeError: not every follower joined within ``join_timeout`` (names the
+                missing ranks and recent refusals), or a follower with the right token does
+                not fit the run (names the mismatch).
+            PeerLostError: a joined follower went silent, disconnected or aborted (names it).
+            ControlChannelError: called twice or outside ``async with``.
+        """
+        self._sup.raise_failure()
+        if self._address is None or self._rendezvous_sent:
+            msg = "on_rendezvous_ready() must be called once, inside `async with`"
+            raise ControlChannelError(msg)
+        with self._sup.waiting():
+            if len(self._peers) < self._run.nranks - 1:
+                with anyio.move_on_after(self._join_timeout):
+                    await self._joined_or_failed.wait()
+            self._sup.raise_failure()
+            if len(self._peers) < self._run.nranks - 1:
+                raise HandshakeError(self._join_timeout_message())
+            data = encode_frame(rendezvous, max_frame_bytes=self._link.max_frame_bytes)
+            for rank in sorted(self._peers):
+                await self._send_to(rank, data)
+        self._rendezvous_sent = True
+        logger.info("rendezvous %s:%d sent to ranks %s", rendezvous.host, rendezvous.port, self.peers())
+
+    def _join_timeout_message(self) -> str:
+        missing = sorted(set(range(1, self._run.nranks)) - set(self._peers))
+        msg = (
+            f"only ranks {sorted(self._peers)} of 1..{self._run.nranks - 1} joined within "
+            f"{self._join_timeout:g} s; missing ranks {missing}"
+        )
+        if self._refusals:
+            msg += f"; recently refused: {'; '.join(self._refusals)}"
+        return msg
+
+    async def broadcast(self, command: Command) -> None:
+        """Send ``command`` to every follower, in the order of the calls.
+
+        Raises:
+            PeerLostError: a follower is gone (names its rank).
+            ControlChannelError: called before :meth:`on_rendezvous_ready` or after
+                :class:`Stop`, or the channel failed otherwise.
+            TypeError: ``command`` is not a Train, Valid or Stop.
+        """
+        if not isinstance(command, (Train, Valid, Stop)):
+            msg = f"a command is Train, Valid or Stop, got {type(command).__name__}"
+            raise TypeError(msg)
+        self._sup.raise_failure()
+        if not self._rendezvous_sent or self._stop_sent:
+            state = "after Stop" if self._stop_sent else "before on_rendezvous_ready()"
+            msg = f"broadcast({command!r}) {state}"
+            raise ControlChannelError(msg)
+        data = encode_frame(command, max_frame_bytes=self._link.max_frame_bytes)
+        stop = isinstance(command, Stop)
+        if stop:
+            self._stop_sent = True
+        with self._sup.waiting():
+            for rank in sorted(self._peers):
+                conn = self._peers[rank]
+                if stop:
+                    conn.finished = True  # from now on the follower closing is the expected answer
+                await self._send_to(rank, data)
+                if stop:
+                    await conn.send_eof()
+        self._sup.raise_failure()
+
+    async def _send_to(self, rank: int, data: bytes) -> None:
+        conn = self._peers[rank]
+        try:
+            await conn.send(data)
+        except ControlChannelError as exc:
+            self._sup.fail(PeerLostError(f"rank {rank} ({conn.peer}) is gone: {exc}"))
+            self._sup.raise_failure()
+
+    # -- background tasks --
+
+    async def _serve(self, *, task_status: TaskStatus[tuple[str, int]]) -> None:
+        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        # One socket listener per address family of the host (create_tcp_listener makes only those).
+        sockets = [one for one in listener.listeners if isinstance(one, anyio.abc.SocketListener)]
+        async with listener, anyio.create_task_group() as tg:
+            for one in sockets:
+                tg.start_soon(self._accept_forever, one)
+            address = listener.extra(SocketAttribute.local_address)
+            task_status.started((str(address[0]), int(address[1])))
+
+    async def _accept_forever(self, listener: anyio.abc.SocketListener) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: keep serving the joined peers
+                logger.warning("control root: accepting a connection failed: %s", exc)
+                await anyio.sleep(0.1)
+                continue
+            self._sup.tg.start_soon(self._handle, stream)
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        conn = Connection(stream, peer=remote(stream), link=self._link)
+        try:
+            rank = await self._admit(conn)
+            if rank is not None:
+                await self._serve_peer(conn, rank)
+        finally:
+            await conn.aclose()
+
+    async def _admit(self, conn: Connection) -> int | None:
+        """Run the handshake; the follower's rank once welcomed, ``None`` if refused."""
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                async with self._handshakes:
+                    hello, welcome = await authenticate_follower(conn, self._run.token)
+        except TimeoutError:
+            await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
+            return None
+        except Unauthenticated as exc:
+            await self._refuse_stranger(conn, str(exc))
+            return None
+        rank = hello.rank
+        reason = mismatch(hello, self._run, self._peers)
+        if reason is not None:
+            logger.warning("control root refused rank %d (%s): %s", rank, conn.peer, reason)
+            await conn.send_best_effort(Refuse(reason))
+            self._sup.fail(HandshakeError(f"refused rank {rank} ({conn.peer}): {reason}"))
+            return None
+        # Take the rank before the first await, so that a duplicate cannot slip in meanwhile.
+        conn.rank = rank
+        self._peers[rank] = conn
+        self._serving += 1
+        try:
+            await conn.send(welcome)
+        except ControlChannelError as exc:
+            self._lost(conn, f"is gone: {exc}")
+            return rank
+        logger.info("control root: rank %d joined from %s", rank, conn.peer)
+        if len(self._peers) == self._run.nranks - 1:
+            self._joined_or_failed.set()  # after the welcome, so the rendezvous cannot overtake it
+        return rank
+
+    async def _refuse_stranger(self, conn: Connection, reason: str) -> None:
+        logger.warning("control root refused %s: %s", conn.peer, reason)
+        self._refusals.append(f"{conn.peer}: {reason}")
+        await conn.send_best_effort(Refuse(reason))
+
+    async def _serve_peer(self, conn: Connection, rank: int) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(conn.heartbeat_forever, self._on_heartbeat_error(conn))
+                await self._read_from(conn)
+                tg.cancel_scope.cancel()
+        finally:
+            self._serving -= 1
+            if self._serving == 0:
+                self._all_served.set()
+
+    def _on_heartbeat_error(self, conn: Connection) -> Callable[[ControlChannelError], None]:
+        return lambda exc: self._lost(conn, f"is gone: {exc}")
+
+    def _lost(self, conn: Connection, what: str) -> None:
+        if conn.finished:
+            logger.debug("rank %s (%s) after Stop: %s", conn.rank, conn.peer, what)
+            return
+        self._sup.fail(PeerLostError(f"rank {conn.rank} ({conn.peer}) {what}"))
+
+    async def _read_from(self, conn: Connection) -> None:
+        """Read a joined follower until it closes after Stop, or report how it was lost."""
+        while True:
+            message = await conn.receive_live()
+            if isinstance(message, Gone):
+                self._lost(conn, message.what)
+                return
+            if isinstance(message, Abort):
+                self._lost(conn, f"aborted the run: {message.reason}")
+                return
+            if not isinstance(message, Heartbeat):
+                self._lost(conn, f"broke the protocol: it sent a {type(message).__name__} message")
+                return

@@ -108,9 +108,8 @@ def main() -> int:
                 times[name].append((time.perf_counter() - start) / steps)
     hand_median = statistics.median(times["hand"])
     rows = []
-    print(
-        f"{torch.cuda.get_device_name(0)}, MLP {n_params / 1e6:.1f}M params, batch 256, {steps} steps x {rounds} rounds"
-    )
+    name = torch.cuda.get_device_name(0)
+    print(f"{name}, MLP {n_params / 1e6:.1f}M params, batch 256, {steps} steps x {rounds} rounds")
     print(f"{'variant':16} {'ms/step':>9} {'steps/s':>9} {'/ hand':>8}")
     for name, values in times.items():
         median = statistics.median(values)

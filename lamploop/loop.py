@@ -181,7 +181,7 @@ async def epochs(
             last_validation_loss=last,
             min_validation_loss=best,
             min_validation_epoch=best_epoch,
-            learning_curve=state.learning_curve + (LearningCurveEntry(epoch, training_loss, validation),),
+            learning_curve=(*state.learning_curve, LearningCurveEntry(epoch, training_loss, validation)),
         )
         if checkpoint_state is not None:
             await checkpoint_state(state, schedule_state)

@@ -153,7 +153,7 @@ def saved(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_round_trip_restores_every_part(tmp_path: pathlib.Path) -> None:
     state, model, _ = full_state()
-    schedule_state = PlateauState(factor=0.25, best=0.2, last_seen=0.3, bad_validations=2)
+    schedule_state = PlateauState(factor=0.25, best=0.2, bad_validations=2)
     path = save_checkpoint(tmp_path, state, schedule_state=schedule_state)
     assert path == tmp_path / "epoch-000003"
 
@@ -170,7 +170,7 @@ def test_round_trip_restores_every_part(tmp_path: pathlib.Path) -> None:
 
 def test_without_a_schedule_the_schedule_state_is_raw_json(saved: pathlib.Path) -> None:
     loaded = load_checkpoint(saved)
-    assert loaded.schedule_state == {"factor": 0.5, "best": 0.2, "last_seen": None, "bad_validations": 0}
+    assert loaded.schedule_state == {"factor": 0.5, "best": 0.2, "bad_validations": 0}
 
 
 def test_stateless_schedule_state_round_trips_as_none(tmp_path: pathlib.Path) -> None:
@@ -268,7 +268,6 @@ _plateau_states = st.builds(
     PlateauState,
     factor=_finite,
     best=st.none() | _finite,
-    last_seen=st.none() | _finite,
     bad_validations=st.integers(0, 1000),
 )
 

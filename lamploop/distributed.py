@@ -48,7 +48,7 @@ from lamploop.process_group import (
     create_store,
     new_process_group,
 )
-from lamploop.replica import Replica
+from lamploop.replica import Replica, learning_rates
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.tensors import SingleProcessChannel, TensorChannel
@@ -239,18 +239,19 @@ async def drive_distributed_training(
         raise ConfigurationError(msg)
     module = model.module
 
-    def set_up() -> torch.optim.Optimizer:
+    def set_up() -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
         module.to(device)
         if init_state is not None:
             module.load_state_dict(init_state.model)
         optimizer = optimizer_factory(module.parameters())
+        base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
         if init_state is not None and init_state.optimizer:
             optimizer.load_state_dict(dict(init_state.optimizer))
-        return optimizer
+        return optimizer, base_lrs
 
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop,
     # which answers the followers' handshakes, free meanwhile.
-    optimizer = await anyio.to_thread.run_sync(set_up)
+    optimizer, base_lrs = await anyio.to_thread.run_sync(set_up)
     best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
 
     async def connect() -> Any:
@@ -278,6 +279,7 @@ async def drive_distributed_training(
             accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
             device=device,
             optimizer=optimizer,
+            base_lrs=base_lrs,
         )
         next_epoch = init_state.loop_state.epoch if init_state is not None else 0
 
@@ -387,6 +389,7 @@ async def follow_distributed_training(
         )
 
     optimizer = await anyio.to_thread.run_sync(set_up)
+    base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
     rendezvous, commands = await control.join()
 
     async def connect() -> Any:
@@ -411,6 +414,7 @@ async def follow_distributed_training(
             accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
             device=device,
             optimizer=optimizer,
+            base_lrs=base_lrs,
         )
 
         async def obey() -> None:

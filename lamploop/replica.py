@@ -17,7 +17,7 @@ from lamploop.epoch import one_epoch
 from lamploop.model import SupervisedModel
 from lamploop.tensors import TensorChannel
 
-__all__ = ["Replica", "set_learning_rate_factor"]
+__all__ = ["Replica", "learning_rates", "set_learning_rate_factor"]
 
 
 def set_learning_rate_factor(
@@ -26,6 +26,11 @@ def set_learning_rate_factor(
     """Set every param group's learning rate to its base rate times ``factor``."""
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
         group["lr"] = base * factor
+
+
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> tuple[float, ...]:
+    """Each param group's learning rate (none without an optimizer)."""
+    return tuple(float(g["lr"]) for g in optimizer.param_groups) if optimizer is not None else ()
 
 
 def _no_step() -> None:
@@ -44,6 +49,9 @@ class Replica:
         accumulate_gradient_over_n_batches: batches per optimizer step.
         device: where batches are moved before the forward pass.
         optimizer: this rank's optimizer, or ``None`` when another rank steps.
+        base_lrs: each param group's learning rate before any schedule factor,
+            read from the fresh optimizer (a loaded state dict holds the rates of
+            its last epoch, factor included).
     """
 
     model: SupervisedModel
@@ -53,11 +61,7 @@ class Replica:
     accumulate_gradient_over_n_batches: int
     device: torch.device
     optimizer: torch.optim.Optimizer | None
-    base_lrs: tuple[float, ...] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        self.base_lrs = tuple(float(g["lr"]) for g in groups)
+    base_lrs: tuple[float, ...] = ()
 
     def _context(self, epoch: int) -> BatchContext:
         return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)

@@ -16,7 +16,6 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -64,7 +63,12 @@ def _leading_sizes(features: Any) -> list[int]:
     return []
 
 
-def _prepare(item: Any, device: torch.device | None, where: Callable[[], str]) -> Batch:
+def _prepare(item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int) -> Batch:
+    """Check one batch and move it to ``device``; errors name the epoch, batch and rank."""
+
+    def where() -> str:
+        return _where(epoch, index, rank)
+
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         msg = f"{where()}: expected a (features, target) pair, got {type(item).__name__}"
         raise BatchError(msg)
@@ -127,6 +131,21 @@ async def _epoch_totals(
 
 def _local_sum(losses: list[torch.Tensor]) -> float:
     return float(torch.stack(losses).sum()) if losses else 0.0
+
+
+class _Scales:
+    """``1 / expected`` as a 0-dim tensor like the loss, made once per distinct value."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, expected: int, like: torch.Tensor) -> torch.Tensor:
+        key = (expected, like.dtype, like.device)
+        scale = self._cache.get(key)
+        if scale is None:
+            scale = torch.ones((), dtype=like.dtype, device=like.device).div(expected)
+            self._cache[key] = scale
+        return scale
 
 
 async def one_epoch(
@@ -195,7 +214,7 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            features, target = _prepare(item, device, functools.partial(_where, epoch, index, rank))
+            features, target = _prepare(item, device, epoch, index, rank)
             loss_sum, n = model.loss_sum_and_count(features, target)
             losses.append(loss_sum.detach())
             count += n
@@ -225,6 +244,7 @@ async def _training_pass(
     stream: AsyncIterator[Any] = aiter(batches)
     upcoming = await anext(stream, None)
     previous_global_count = 0
+    scales = _Scales()
     while True:
         group_count = 0
         global_count = 0
@@ -237,7 +257,7 @@ async def _training_pass(
             if upcoming is None:
                 break
             index = len(losses)
-            features, target = _prepare(upcoming, device, functools.partial(_where, epoch, index, rank))
+            features, target = _prepare(upcoming, device, epoch, index, rank)
             upcoming = await anext(stream, None)
             loss_sum, n = model.loss_sum_and_count(features, target)
             if position == 0 and single:
@@ -247,12 +267,20 @@ async def _training_pass(
             if position == k - 1 or upcoming is None:
                 # Every rank starts the count before any gradient bucket, so the
                 # collectives pair up in the same order on all ranks.
-                pending = channel.begin_all_reduce_sum([group_count])
+                pending = None if single else channel.begin_all_reduce_sum([group_count])
                 sync.arm()
-            (loss_sum / expected if expected != 1 else loss_sum).backward()
-        if pending is None:
-            pending = channel.begin_all_reduce_sum([group_count])
-        global_count = int(pending.wait()[0])
+            if expected == 1:
+                loss_sum.backward()
+            else:
+                # Seeding backward with 1/expected gives the gradients of loss_sum / expected
+                # bit for bit, without a division node in the graph.
+                loss_sum.backward(scales.get(expected, loss_sum))
+        if single:
+            global_count = group_count
+        else:
+            if pending is None:  # no batch left here: take part with zero examples
+                pending = channel.begin_all_reduce_sum([group_count])
+            global_count = int(pending.wait()[0])
         if global_count == 0:
             break
         count += group_count

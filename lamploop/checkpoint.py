@@ -767,16 +767,10 @@ def _structure_schedule_state(
 ) -> Any:
     target = schedule.state_type
     raw = descriptor.schedule_state
-    problem: str | None = None
-    if target is None or target is type(None):
-        if raw is None:
-            return None
-        problem = "the schedule expects no state (None)"
-    else:
-        try:
-            return converter.structure(raw, target)
-        except Exception as e:  # cattrs reports through many exception types
-            problem = "; ".join(cattrs.transform_error(e, path="$.schedule_state"))
+    try:
+        return converter.structure(raw, target)
+    except Exception as e:  # cattrs reports through many exception types
+        problem = "; ".join(cattrs.transform_error(e, path="$.schedule_state"))
     msg = (
         f"{where}: the schedule state (saved as a {descriptor.schedule_state_type}) does not fit "
         f"{type(schedule).__qualname__}, whose state type is {_type_name(target)}: {problem}"

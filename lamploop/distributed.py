@@ -132,21 +132,42 @@ def _initial_sync(
 
 
 @asynccontextmanager
-async def _open_channel(
+async def _open_replica(
     *,
     rank: int,
     nranks: int,
     device: torch.device,
-    module: torch.nn.Module,
+    model: SupervisedModel,
     optimizer: torch.optim.Optimizer | None,
+    base_lrs: tuple[float, ...],
+    train_batches: BatchStreamFactory,
+    validation_batches: BatchStreamFactory | None,
+    accumulate_gradient_over_n_batches: int,
     strategy: Strategy,
     bucket_cap_mb: float,
     collective_timeout: float,
     connect: Callable[[], Awaitable[Any]],
-) -> AsyncIterator[TensorChannel]:
-    """The tensor channel of one rank, set up and torn down (``connect`` gives the store)."""
+) -> AsyncIterator[Replica]:
+    """This rank's :class:`Replica` on its tensor channel, set up and torn down.
+
+    ``connect`` gives the store the process group is built over (unused with one rank).
+    """
+
+    def replica(channel: TensorChannel) -> Replica:
+        return Replica(
+            model=model,
+            channel=channel,
+            train_batches=train_batches,
+            validation_batches=validation_batches,
+            accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
+            device=device,
+            optimizer=optimizer,
+            base_lrs=base_lrs,
+        )
+
+    module = model.module
     if nranks == 1:
-        yield SingleProcessChannel()
+        yield replica(SingleProcessChannel())
         return
     store = await connect()
 
@@ -164,7 +185,7 @@ async def _open_channel(
     # Joining blocks until every rank arrives: keep the event loop (heartbeats) free meanwhile.
     channel = await anyio.to_thread.run_sync(join)
     try:
-        yield channel
+        yield replica(channel)
     finally:
         channel.close()
 
@@ -260,27 +281,21 @@ async def drive_distributed_training(
             await control.on_rendezvous_ready(rendezvous)
         return store
 
-    async with _open_channel(
+    async with _open_replica(
         rank=0,
         nranks=nranks,
         device=device,
-        module=module,
+        model=model,
         optimizer=optimizer,
+        base_lrs=base_lrs,
+        train_batches=train_batches,
+        validation_batches=validation_batches,
+        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
         strategy=strategy,
         bucket_cap_mb=bucket_cap_mb,
         collective_timeout=collective_timeout,
         connect=connect,
-    ) as channel:
-        replica = Replica(
-            model=model,
-            channel=channel,
-            train_batches=train_batches,
-            validation_batches=validation_batches,
-            accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
-            device=device,
-            optimizer=optimizer,
-            base_lrs=base_lrs,
-        )
+    ) as replica:
         next_epoch = init_state.loop_state.epoch if init_state is not None else 0
 
         async def tell(command: Train | Valid | Stop) -> None:
@@ -395,27 +410,21 @@ async def follow_distributed_training(
     async def connect() -> Any:
         return await anyio.to_thread.run_sync(connect_store, rendezvous, nranks, collective_timeout)
 
-    async with _open_channel(
+    async with _open_replica(
         rank=rank,
         nranks=nranks,
         device=device,
-        module=module,
+        model=model,
         optimizer=optimizer,
+        base_lrs=base_lrs,
+        train_batches=train_batches,
+        validation_batches=validation_batches,
+        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
         strategy=strategy,
         bucket_cap_mb=bucket_cap_mb,
         collective_timeout=collective_timeout,
         connect=connect,
-    ) as channel:
-        replica = Replica(
-            model=model,
-            channel=channel,
-            train_batches=train_batches,
-            validation_batches=validation_batches,
-            accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
-            device=device,
-            optimizer=optimizer,
-            base_lrs=base_lrs,
-        )
+    ) as replica:
 
         async def obey() -> None:
             async for command in commands:

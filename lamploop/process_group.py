@@ -403,8 +403,13 @@ class ProcessGroupChannel:
         values = self.broadcast_json([value])
         mine = torch.tensor([int(values[0] == value)], dtype=torch.int64, device=self._stats_device())
         _wait(self._group.allreduce([mine]), f"check of {label}", self._rank)
-        if int(mine.item()) != self._nranks:
-            msg = f"the ranks disagree on {label}: rank 0 has {values[0]!r}, rank {self._rank} has {value!r}"
+        agreeing = int(mine.item())
+        if agreeing != self._nranks:
+            mismatch = "" if value == values[0] else f"; rank {self._rank} has {value!r}"
+            msg = (
+                f"the ranks disagree on {label}: {self._nranks - agreeing} of {self._nranks} differ "
+                f"from rank 0's {values[0]!r}{mismatch}"
+            )
             raise DistributedError(msg)
 
     def flush(self) -> None:

@@ -82,19 +82,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import lamploop.process_group
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lamploop.process_group import DEFAULT_BUCKET_CAP_MB, ProcessGroupChannel
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import lamploop
-import lamploop.process_group
 from lamploop import BatchContext, SupervisedModel, iterable_batches, model_spec, one_epoch
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed import drive_distributed_training, follow_distributed_training
-from lamploop.process_group import DEFAULT_BUCKET_CAP_MB, ProcessGroupChannel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lamploop
-from lamploop.process_group import ProcessGroupChannel, new_process_group
+from lamploop.distributed.process_group import new_process_group
+from lamploop.sync.group_channel import ProcessGroupChannel
 
 
 def mlp(width: int) -> torch.nn.Module:
@@ -83,7 +84,7 @@ def main() -> int:
         anyio.run(lambda: lamploop.one_epoch(model=model, batches=stream(), step_optimizer=opt.step))
 
     def lamploop_nccl(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        channel = ProcessGroupChannel(group, rank=0, nranks=1, device=device, strategy="all_reduce")
+        channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=torch.device(device))
         channel.attach(module)
         model = lamploop.SupervisedModel(module)
         anyio.run(

@@ -17,7 +17,7 @@ import torch
 import lamploop
 from lamploop.checkpoint import Checkpointer
 from lamploop.demo import accuracy, digits_data, digits_model
-from lamploop.replica import set_learning_rate_factor
+from lamploop.distributed.replica import set_learning_rate_factor
 
 
 async def main(directory: str) -> None:

@@ -1,7 +1,9 @@
 """lamploop: training loops as plain data and functions, on one process or many.
 
-The public names are re-exported here; see the docs/ pages for a tour.
+The names users call are re-exported here; docs/architecture.md maps the modules.
 """
+
+from typing import Any
 
 from lamploop import errors, schedules
 from lamploop.batches import (
@@ -13,16 +15,17 @@ from lamploop.batches import (
     tensor_batches,
 )
 from lamploop.checkpoint import Checkpoint, Checkpointer, latest_checkpoint, load_checkpoint, save_checkpoint
+from lamploop.control import TcpControlFollower, TcpControlRoot, local_control
 from lamploop.distributed import (
     drive_distributed_training,
     follow_distributed_training,
     local_data_parallel_training_loop,
 )
-from lamploop.epoch import one_epoch
 from lamploop.fit import fit, fit_async
-from lamploop.loop import ALL_EPOCHS, epochs
+from lamploop.loop import ALL_EPOCHS, epochs, one_epoch
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss, summed
 from lamploop.modelspec import ModelSpec, model_spec
+from lamploop.reporting import LoggingReporter, Reporter
 from lamploop.schedules import (
     LearningRateSchedule,
     cyclic,
@@ -33,10 +36,11 @@ from lamploop.schedules import (
     reduce_lr_on_plateau,
     step_after,
 )
-from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData, converter
-from lamploop.tensors import SingleProcessChannel, TensorChannel
+from lamploop.settings import TrainingSettings
+from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.sync import register_strategy, strategy_names
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ALL_EPOCHS",
@@ -47,13 +51,15 @@ __all__ = [
     "Checkpointer",
     "LearningCurveEntry",
     "LearningRateSchedule",
+    "LoggingReporter",
     "LoopState",
     "LoopStateWithModelAndOptimizerData",
     "ModelSpec",
-    "SingleProcessChannel",
+    "Reporter",
     "SupervisedModel",
-    "TensorChannel",
-    "converter",
+    "TcpControlFollower",
+    "TcpControlRoot",
+    "TrainingSettings",
     "cross_entropy_loss",
     "cyclic",
     "dataloader_batches",
@@ -69,15 +75,35 @@ __all__ = [
     "latest_checkpoint",
     "linear",
     "load_checkpoint",
+    "local_control",
     "local_data_parallel_training_loop",
     "model_spec",
     "mse_loss",
     "noop",
     "one_epoch",
     "reduce_lr_on_plateau",
+    "register_strategy",
     "save_checkpoint",
     "schedules",
     "step_after",
+    "strategy_names",
     "summed",
     "tensor_batches",
 ]
+
+_MOVED = {
+    "converter": ("lamploop.state", "converter"),
+    "SingleProcessChannel": ("lamploop.sync", "SingleProcessChannel"),
+    "TensorChannel": ("lamploop.sync", "TensorChannel"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names of 0.1 that are internal now, still found at their new home (not in ``__all__``)."""
+    if name in _MOVED:
+        import importlib
+
+        module, attribute = _MOVED[name]
+        return getattr(importlib.import_module(module), attribute)
+    msg = f"module 'lamploop' has no attribute {name!r}"
+    raise AttributeError(msg)

@@ -1,8 +1,8 @@
 """``fit``: the common case in one call.
 
-It wires :func:`drive_distributed_training` (which runs :func:`lamploop.epochs`
-and :func:`lamploop.one_epoch`), checkpoints with ``keep_last``, and resuming
-from the latest checkpoint, so that a restarted job carries on by itself.
+It wires :func:`drive_distributed_training` (which runs :func:`lamploop.epochs` and
+:func:`lamploop.one_epoch`), checkpoints with ``keep_last``, and resuming from the latest
+checkpoint, so that a restarted job carries on by itself.
 
 >>> import torch, lamploop
 >>> x, y = torch.randn(64, 3), torch.randint(0, 2, (64,))
@@ -25,39 +25,92 @@ import os
 import secrets
 from collections.abc import Awaitable, Callable, Container, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypedDict, TypeVar
 
 import anyio
+import attrs
 import torch
 
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lamploop.control.tcp import TcpControlRoot
-from lamploop.distributed import OptimizerFactory, drive_distributed_training, follow_distributed_training
+from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
+from lamploop.distributed.follow import follow_distributed_training
+from lamploop.distributed.launch import (
+    LaunchEnv,
+    launch_env,
+    open_follower_control,
+    open_root_control,
+    spawn_followers,
+)
 from lamploop.errors import ConfigurationError
-from lamploop.launch import launch_env, open_follower_control, open_root_control, spawn_followers
-from lamploop.loop import ALL_EPOCHS
+from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
-from lamploop.process_group import Strategy
+from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFailed, RunFinished, report_all
 from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 
 __all__ = ["fit", "fit_async"]
 
 logger = logging.getLogger("lamploop")
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 _LOCAL = "127.0.0.1"
 _FOLLOWER_EXIT_TIMEOUT_S = 60.0
 
 
-def _describe(state: LoopState) -> str:
-    entry = state.learning_curve[-1]
-    text = f"epoch {entry.epoch}: train loss {entry.training_loss:.4f}"
-    if entry.validation_loss is not None:
-        smoothed, raw = entry.validation_loss
-        text += f", validation loss {raw:.4f} (smoothed {smoothed:.4f})"
-    return text
+class _Heartbeat(TypedDict):
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+@attrs.frozen
+class _Place:
+    env: LaunchEnv | None
+    nranks: int
+    rank: int
+    device: torch.device
+
+
+def _place(world_size: int | None, device: torch.device | str) -> _Place:
+    env = launch_env()
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+    ):
+        msg = f"fit: world_size must be None or an int >= 1, got {world_size!r}"
+        raise ConfigurationError(msg)
+    if env is not None and world_size is not None and world_size != env.world_size:
+        msg = (
+            f"fit: world_size={world_size}, but the launcher ({env.launcher}) started {env.world_size} ranks"
+        )
+        raise ConfigurationError(msg)
+    nranks = env.world_size if env is not None else (world_size or 1)
+    local_rank = env.local_rank if env is not None else 0
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda" and torch_device.index is None and nranks > 1:
+        torch_device = torch.device("cuda", local_rank)
+    if nranks > 1 and torch_device.type == "cpu":
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // min(nranks, cores)))
+    return _Place(env, nranks, env.rank if env is not None else 0, torch_device)
+
+
+def _resume(
+    checkpoint_dir: str | Path | None,
+    resume: bool,
+    schedule: LearningRateSchedule[Any],
+    module: torch.nn.Module,
+) -> tuple[LoopStateWithModelAndOptimizerData | None, Any]:
+    if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
+        return None, None
+    checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
+    checkpoint.rng.restore()
+    logger.info("resuming from %s at epoch %d", checkpoint.path, checkpoint.state.loop_state.epoch)
+    return checkpoint.state, checkpoint.schedule_state
 
 
 async def fit_async(
@@ -78,49 +131,76 @@ async def fit_async(
     device: torch.device | str = "cpu",
     on_epoch: Callable[[LoopState], object] | None = None,
     world_size: int | None = None,
-    strategy: Strategy = "all_reduce",
+    strategy: str = "auto",
     launch_command: Sequence[str] | None = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    heartbeat_interval: float = 1.0,
+    heartbeat_timeout: float = 10.0,
+    reporters: Sequence[Reporter] | None = None,
 ) -> LoopState | None:
-    """Train ``model`` on one rank or several; see :func:`fit` (this is its async form)."""
-    env = launch_env()
-    if env is not None and world_size is not None and world_size != env.world_size:
-        msg = (
-            f"fit: world_size={world_size}, but the launcher ({env.launcher}) started {env.world_size} ranks"
-        )
-        raise ConfigurationError(msg)
-    nranks = env.world_size if env is not None else (world_size or 1)
-    rank = env.rank if env is not None else 0
-    device = _rank_device(torch.device(device), env.local_rank if env is not None else 0, nranks)
-    if nranks > 1 and device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(nranks, os.cpu_count() or 1)))
+    """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
+
+    With ``world_size=n`` and no launcher, this process becomes rank 0 and runs the same
+    command line again for ranks ``1..n-1`` (see :mod:`lamploop.distributed.launch`);
+    under ``torchrun`` or Slurm the launcher's variables decide the rank.  Only rank 0
+    checkpoints, reports and returns the state.
+
+    Args:
+        model: the :class:`SupervisedModel` to train; ends holding the best model when an
+            eligible epoch validated, else the last one.
+        optimizer_factory: ``params -> torch.optim.Optimizer``.
+        train_batches: the training :data:`BatchStreamFactory`.
+        max_epochs: the number of epochs in all (a resumed run counts those already done).
+        validation_batches: the validation stream factory, or ``None``.
+        checkpoint_dir: write a checkpoint after every epoch there, and resume from its
+            latest checkpoint when ``resume`` is true.
+        keep_last: how many checkpoints to keep (``None``: all).
+        learning_rate_schedule, validation_frequency, return_min_validation_loss_model
+            (default: every epoch), validation_loss_exponential_smoothing_factor,
+            accumulate_gradient_over_n_batches: as in :func:`lamploop.epochs` and
+            :func:`lamploop.one_epoch`.
+        device: where to train.
+        on_epoch: called with the :class:`LoopState` after every epoch (rank 0).
+        world_size: the number of ranks (default: the launcher's, else 1).
+        strategy, bucket_cap_mb, collective_timeout: as in :func:`drive_distributed_training`
+            (``"auto"`` is ``all_reduce`` here: every rank has the optimizer factory).
+        launch_command: the command that starts ranks ``1..n-1`` when lamploop launches
+            them itself (default: this process's command line).
+        heartbeat_interval, heartbeat_timeout: the control channel's; a rank silent for
+            ``heartbeat_timeout`` seconds (dead, frozen or cut off) ends the run everywhere.
+        reporters: who hears about the run (default: a :class:`LoggingReporter`).
+
+    Raises:
+        lamploop.errors.LamploopError: any of its subclasses, see the parts above; a lost
+            rank is a :class:`~lamploop.errors.PeerLostError` naming it.
+    """
+    settings = TrainingSettings.from_arguments(locals())
+    place = _place(world_size, device)
     spec = model_spec(model.module)
-    if env is not None and rank > 0:
-        async with open_follower_control(env, model_spec=spec) as follower:
+    heartbeat = _Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
+    rank_settings = settings.for_every_rank()
+    if place.env is not None and place.rank > 0:
+        async with open_follower_control(place.env, model_spec=spec, **heartbeat) as follower:
             await follow_distributed_training(
-                rank=rank,
-                nranks=nranks,
-                device=device,
+                rank=place.rank,
+                nranks=place.nranks,
+                device=place.device,
                 control=follower,
                 model=model,
                 train_batches=train_batches,
                 validation_batches=validation_batches,
-                accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
                 optimizer_factory=optimizer_factory,
-                strategy=strategy,
+                **rank_settings,
             )
         return None
 
-    init_state: LoopStateWithModelAndOptimizerData | None = None
-    schedule_state: Any = None
-    if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir) is not None:
-        checkpoint = load_checkpoint(checkpoint_dir, schedule=learning_rate_schedule, model=model.module)
-        checkpoint.rng.restore()
-        init_state, schedule_state = checkpoint.state, checkpoint.schedule_state
-        logger.info("resuming from %s at epoch %d", checkpoint.path, init_state.loop_state.epoch)
+    init_state, schedule_state = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
     save = Checkpointer(checkpoint_dir, keep_last=keep_last) if checkpoint_dir is not None else None
+    listeners = list(reporters) if reporters is not None else [LoggingReporter()]
 
     async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
-        logger.info("%s", _describe(data.loop_state))
+        report_all(listeners, EpochFinished(data.loop_state))
         if save is not None:
             await save(data, schedule_state)
         if on_epoch is not None:
@@ -128,35 +208,50 @@ async def fit_async(
 
     drive = functools.partial(
         drive_distributed_training,
-        nranks=nranks,
-        device=device,
+        nranks=place.nranks,
+        device=place.device,
         model=model,
         optimizer_factory=optimizer_factory,
         train_batches=train_batches,
         validation_batches=validation_batches,
-        max_epochs=max_epochs,
         checkpoint_state=after_epoch,
-        validation_frequency=validation_frequency,
-        return_min_validation_loss_model=return_min_validation_loss_model,
-        learning_rate_schedule=learning_rate_schedule,
         init_state=init_state,
-        accumulate_gradient_over_n_batches=accumulate_gradient_over_n_batches,
         learning_rate_schedule_init_state=schedule_state,
-        validation_loss_exponential_smoothing_factor=validation_loss_exponential_smoothing_factor,
-        strategy=strategy,
+        **attrs.asdict(settings, recurse=False),
     )
-    if nranks == 1:
+    try:
+        state = await _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+    except Exception as exc:
+        report_all(listeners, RunFailed(f"{type(exc).__name__}: {exc}"))
+        raise
+    report_all(listeners, RunFinished(state))
+    return state
+
+
+async def _drive_with_followers(
+    drive: Callable[..., Awaitable[LoopState]],
+    place: _Place,
+    spec: Any,
+    heartbeat: _Heartbeat,
+    launch_command: Sequence[str] | None,
+) -> LoopState:
+    """Run the root: alone, under a launcher, or with followers this process starts itself."""
+    if place.nranks == 1:
         return await drive(control=None)
-    if env is not None:
-        async with open_root_control(env, model_spec=spec) as root:
-            return await drive(control=root, host=env.root_host)
+    if place.env is not None:
+        async with open_root_control(place.env, model_spec=spec, **heartbeat) as root:
+            return await drive(control=root, host=place.env.root_host)
     token = secrets.token_hex(16)
     async with (
-        TcpControlRoot(host=_LOCAL, nranks=nranks, token=token, model_spec=spec) as root,
+        TcpControlRoot(host=_LOCAL, nranks=place.nranks, token=token, model_spec=spec, **heartbeat) as root,
         anyio.create_task_group() as followers,
     ):
         spawn_followers(
-            followers, world_size=nranks, control_address=root.address, token=token, command=launch_command
+            followers,
+            world_size=place.nranks,
+            control_address=root.address,
+            token=token,
+            command=launch_command,
         )
         state = await drive(control=root, host=_LOCAL)
         # The followers got Stop; give them a bounded time to exit before they are killed.
@@ -164,45 +259,18 @@ async def fit_async(
     return state
 
 
-def _rank_device(device: torch.device, local_rank: int, nranks: int) -> torch.device:
-    if device.type == "cuda" and device.index is None and nranks > 1:
-        return torch.device("cuda", local_rank)
-    return device
+def _blocking(run: Callable[P, Awaitable[R]]) -> Callable[P, R]:
+    """The blocking form of an async function, with its signature (for type checkers and IDEs)."""
+
+    @functools.wraps(run)
+    def blocking(*args: P.args, **kwargs: P.kwargs) -> R:
+        return anyio.run(functools.partial(run, *args, **kwargs))
+
+    return blocking
 
 
-def fit(**kwargs: Any) -> LoopState | None:
-    """Train ``model``, checkpointing and resuming; return the final state (``None`` on followers).
-
-    With ``world_size=n`` and no launcher, this process becomes rank 0 and runs
-    the same command line again for ranks ``1..n-1`` (see
-    :mod:`lamploop.launch`); under ``torchrun`` or Slurm the launcher's
-    variables decide the rank.  Only rank 0 checkpoints and returns the state.
-
-    Keyword arguments (all keyword-only):
-        model: the :class:`SupervisedModel` to train; ends holding the best model
-            when an eligible epoch validated, else the last one.
-        optimizer_factory: ``params -> torch.optim.Optimizer``.
-        train_batches: the training :data:`BatchStreamFactory`.
-        max_epochs: the number of epochs in all (a resumed run counts the
-            epochs already done).
-        validation_batches: the validation stream factory, or ``None``.
-        checkpoint_dir: write a checkpoint after every epoch there, and resume
-            from its latest checkpoint when ``resume`` is true.
-        keep_last: how many checkpoints to keep (``None``: all).
-        learning_rate_schedule, validation_frequency,
-        return_min_validation_loss_model (default: every epoch),
-        validation_loss_exponential_smoothing_factor,
-        accumulate_gradient_over_n_batches: as in :func:`lamploop.epochs` and
-            :func:`lamploop.one_epoch`.
-        device: where to train.
-        on_epoch: called with the :class:`LoopState` after every epoch (rank 0).
-        world_size: the number of ranks (default: the launcher's, else 1).
-        strategy: ``"all_reduce"`` (default) or ``"reduce_to_root"``.
-        launch_command: the command that starts ranks ``1..n-1`` when lamploop
-            launches them itself (default: this process's command line).
-
-    Raises:
-        lamploop.errors.LamploopError: any of its subclasses, see the parts above.
-    """
-    run: Callable[[], Awaitable[LoopState | None]] = functools.partial(fit_async, **kwargs)
-    return anyio.run(run)
+fit = _blocking(fit_async)
+fit.__name__ = fit.__qualname__ = "fit"
+fit.__doc__ = (fit_async.__doc__ or "").replace(
+    "Train ``model``,", "Train ``model`` (blocking: runs :func:`fit_async` in a new event loop),", 1
+)

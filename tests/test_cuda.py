@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import lamploop
-from lamploop.process_group import ProcessGroupChannel, new_process_group
+from lamploop.distributed.process_group import new_process_group
+from lamploop.sync.group_channel import ProcessGroupChannel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +27,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(module: torch.nn.Module, channel: lamploop.TensorChannel | None, device: str) -> list[float]:
+def _train(module: torch.nn.Module, channel: lamploop.sync.TensorChannel | None, device: str) -> list[float]:
     x, y = _data()
     batches = lamploop.tensor_batches(x, y, batch_size=32, seed=1)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
@@ -56,7 +57,7 @@ def test_nccl_with_one_rank_matches_cpu() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
     device = torch.device("cuda", 0)
     group = new_process_group(store, rank=0, nranks=1, device=device, timeout=30, prefix="test")
-    channel = ProcessGroupChannel(group, rank=0, nranks=1, device=device, strategy="all_reduce")
+    channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=torch.device(device))
     channel.attach(gpu)
     gpu_losses = _train(gpu, channel, "cuda")
     cpu_losses = _train(cpu, None, "cpu")

@@ -194,7 +194,7 @@ def assert_same_params(
 def root_state(workdir: Path, run: str) -> LoopState:
     result = worker.outcome(workdir, run, 0)
     assert result["ok"], result
-    return lamploop.converter.structure(result["state"], LoopState)
+    return lamploop.state.converter.structure(result["state"], LoopState)
 
 
 def test_followers_start_from_other_weights() -> None:

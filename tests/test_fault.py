@@ -162,7 +162,7 @@ def test_strangers_do_not_change_the_result(scenario: dict[str, Any]) -> None:
     disturbed, undisturbed = _root_result(workdir, "disturbed"), _root_result(workdir, "undisturbed")
     assert worker.outcome(workdir, "disturbed", 1)["ok"]
     assert disturbed["state"] == undisturbed["state"]
-    assert lamploop.converter.structure(disturbed["state"], lamploop.LoopState).epoch == 3
+    assert lamploop.state.converter.structure(disturbed["state"], lamploop.LoopState).epoch == 3
     for name in ("rank0", "live", "rank1"):
         got, expected = (
             worker.tensors(workdir, "disturbed", name),

@@ -22,8 +22,8 @@ import torch
 from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
 import lamploop
+from lamploop.distributed.launch import DEFAULT_SLURM_CONTROL_PORT, LaunchEnv, launch_env
 from lamploop.errors import ConfigurationError
-from lamploop.launch import DEFAULT_SLURM_CONTROL_PORT, LaunchEnv, launch_env
 
 LAMPLOOP = {
     "LAMPLOOP_RANK": "2",
@@ -229,7 +229,7 @@ def _check_against_single_process(
 ) -> None:
     result = json.loads((out / "result.json").read_text())
     assert (result["launcher"], result["rank"]) == (launcher, 0)
-    state = lamploop.converter.structure(result["state"], lamploop.LoopState)
+    state = lamploop.state.converter.structure(result["state"], lamploop.LoopState)
     expected, expected_params = single
     assert state.epoch == worker.FIT_EPOCHS
     assert state.min_validation_epoch == expected.min_validation_epoch

@@ -430,11 +430,11 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(sc: Scenario, data: st.
     _, loop_state, schedule_state = checkpoints[-1]
     # A checkpoint stores both as JSON.
     schedule_type = make_schedule(sc.schedule, sc.frequency).state_type
-    loop_state = lamploop.converter.structure(
-        json.loads(json.dumps(lamploop.converter.unstructure(loop_state))), LoopState
+    loop_state = lamploop.state.converter.structure(
+        json.loads(json.dumps(lamploop.state.converter.unstructure(loop_state))), LoopState
     )
-    schedule_state = lamploop.converter.structure(
-        json.loads(json.dumps(lamploop.converter.unstructure(schedule_state))), schedule_type
+    schedule_state = lamploop.state.converter.structure(
+        json.loads(json.dumps(lamploop.state.converter.unstructure(schedule_state))), schedule_type
     )
     second = run_epochs(sc, max_epochs=max_epochs, init_state=loop_state, schedule_init_state=schedule_state)
 

@@ -355,8 +355,8 @@ def test_plateau_rule_directly() -> None:
 
 
 def json_round_trip(state: Any, state_type: Any) -> Any:
-    text = json.dumps(lamploop.converter.unstructure(state))
-    return lamploop.converter.structure(json.loads(text), state_type)
+    text = json.dumps(lamploop.state.converter.unstructure(state))
+    return lamploop.state.converter.structure(json.loads(text), state_type)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The loop's plain data: JSON round trips through ``lamploop.converter`` and immutability."""
+"""The loop's plain data: JSON round trips through ``lamploop.state.converter`` and immutability."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ loop_states = st.builds(
 
 
 def through_json(value: object, cls: type) -> object:
-    text = json.dumps(lamploop.converter.unstructure(value))
-    return lamploop.converter.structure(json.loads(text), cls)
+    text = json.dumps(lamploop.state.converter.unstructure(value))
+    return lamploop.state.converter.structure(json.loads(text), cls)
 
 
 @settings(deadline=None, max_examples=200)
@@ -70,7 +70,7 @@ def test_unstructured_state_is_plain_json_data() -> None:
         min_validation_epoch=0,
         learning_curve=(LearningCurveEntry(0, 1.5, (0.5, 0.75)), LearningCurveEntry(1, 1.25, None)),
     )
-    data = json.loads(json.dumps(lamploop.converter.unstructure(state)))
+    data = json.loads(json.dumps(lamploop.state.converter.unstructure(state)))
     assert data == {
         "epoch": 2,
         "last_validation_loss": 0.25,
@@ -89,10 +89,10 @@ def test_infinite_values_round_trip() -> None:
 
 
 def test_unknown_keys_are_refused() -> None:
-    data = lamploop.converter.unstructure(LoopState(epoch=3))
+    data = lamploop.state.converter.unstructure(LoopState(epoch=3))
     data["epochs"] = 4  # a typo in a hand-edited checkpoint must not be silently ignored
     with pytest.raises(cattrs.errors.ClassValidationError):
-        lamploop.converter.structure(data, LoopState)
+        lamploop.state.converter.structure(data, LoopState)
 
 
 def test_learning_curve_is_a_tuple_even_from_a_list() -> None:

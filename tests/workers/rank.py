@@ -67,7 +67,7 @@ from lamploop.batches import BatchContext, BatchStreamFactory, epoch_seed
 from lamploop.checkpoint import Checkpointer, load_checkpoint
 from lamploop.control import TcpControlFollower, TcpControlRoot
 from lamploop.distributed import drive_distributed_training, follow_distributed_training
-from lamploop.launch import launch_env
+from lamploop.distributed.launch import launch_env
 from lamploop.modelspec import model_spec
 
 HOST = "127.0.0.1"
@@ -321,7 +321,7 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
             refusals = list(root.recent_refusals)
     save_tensors(wd / "rank0.safetensors", module.state_dict())
     save_tensors(wd / "live.safetensors", live)
-    return {"state": lamploop.converter.unstructure(state), "refusals": refusals}
+    return {"state": lamploop.state.converter.unstructure(state), "refusals": refusals}
 
 
 async def run_follower(run: dict[str, Any], wd: Path, rank: int) -> dict[str, Any]:
@@ -429,7 +429,7 @@ def fit_main(out: Path, mode: str) -> int:
         write_json(out / f"follower-{rank}.json", who)
         return 0
     save_tensors(out / "params.safetensors", kwargs["model"].module.state_dict())
-    write_json(out / "result.json", {"state": lamploop.converter.unstructure(state), **who})
+    write_json(out / "result.json", {"state": lamploop.state.converter.unstructure(state), **who})
     return 0
 
 

@@ -71,7 +71,9 @@ async def main(out: Path, mode: str, checkpoint: Path | None) -> None:
         {k: v.contiguous() for k, v in supervised.module.state_dict().items()}, out / f"{mode}.safetensors"
     )
     (out / f"{mode}.json").write_text(
-        json.dumps({"state": lamploop.converter.unstructure(state), "best_epoch": state.min_validation_epoch})
+        json.dumps(
+            {"state": lamploop.state.converter.unstructure(state), "best_epoch": state.min_validation_epoch}
+        )
     )
 
 

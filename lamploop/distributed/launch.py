@@ -160,13 +160,24 @@ def _restart_key(name: str) -> str:
 
 @asynccontextmanager
 async def open_root_control(
-    env: LaunchEnv, *, model_spec: ModelSpec, bind_host: str | None = None
+    env: LaunchEnv,
+    *,
+    model_spec: ModelSpec,
+    bind_host: str | None = None,
+    heartbeat_interval: float = 1.0,
+    heartbeat_timeout: float = 10.0,
 ) -> AsyncIterator[TcpControlRoot]:
     """The root's TCP control channel, its address published where the followers look."""
     token = env.token or secrets.token_hex(16)
     port = env.control_port or 0
     async with TcpControlRoot(
-        host=bind_host or env.root_host, port=port, nranks=env.world_size, token=token, model_spec=model_spec
+        host=bind_host or env.root_host,
+        port=port,
+        nranks=env.world_size,
+        token=token,
+        model_spec=model_spec,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
     ) as root:
         if env.launcher == "torchrun" and env.control_port is None:
             store = await anyio.to_thread.run_sync(_launcher_store, env)
@@ -176,7 +187,7 @@ async def open_root_control(
 
 @asynccontextmanager
 async def open_follower_control(
-    env: LaunchEnv, *, model_spec: ModelSpec
+    env: LaunchEnv, *, model_spec: ModelSpec, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0
 ) -> AsyncIterator[TcpControlFollower]:
     """A follower's TCP control channel to the root named by the launcher."""
     port, token = env.control_port, env.token
@@ -199,6 +210,8 @@ async def open_follower_control(
         nranks=env.world_size,
         token=token,
         model_spec=model_spec,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
     ) as follower:
         yield follower
 

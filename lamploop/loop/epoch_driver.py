@@ -28,6 +28,7 @@ import attrs
 
 from lamploop.errors import ConfigurationError, NonFiniteLossError
 from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.settings import check_int, check_smoothing
 from lamploop.state import LearningCurveEntry, LoopState
 
 __all__ = ["ALL_EPOCHS", "AllEpochs", "epochs"]
@@ -57,16 +58,14 @@ def _validate(
     has_validation: bool,
     init_state: LoopState | None,
 ) -> None:
-    if not isinstance(max_epochs, int) or max_epochs < 0:
-        msg = f"epochs: max_epochs must be an int >= 0, got {max_epochs!r}"
-        raise ConfigurationError(msg)
-    if not isinstance(validation_frequency, int) or validation_frequency < 1:
-        msg = f"epochs: validation_frequency must be an int >= 1, got {validation_frequency!r}"
-        raise ConfigurationError(msg)
-    if not 0.0 < smoothing <= 1.0:
-        msg = f"epochs: validation_loss_exponential_smoothing_factor must be in (0, 1], got {smoothing!r}"
-        raise ConfigurationError(msg)
-    if schedule.needs_validation_loss and not has_validation:
+    try:
+        check_int("max_epochs", max_epochs, 0)
+        check_int("validation_frequency", validation_frequency, 1)
+        check_smoothing(smoothing)
+    except ConfigurationError as exc:
+        msg = f"epochs: {exc}"
+        raise ConfigurationError(msg) from None
+    if getattr(schedule, "needs_validation_loss", False) and not has_validation:
         msg = (
             f"epochs: the learning-rate schedule {type(schedule).__name__} needs a validation loss, "
             "but validation_epoch is None (no validation stream was given)"

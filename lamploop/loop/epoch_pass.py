@@ -1,13 +1,13 @@
 """``one_epoch``: one pass over a batch stream, training or forward-only.
 
 The same function runs on every rank; everything that crosses ranks goes
-through the :class:`~lamploop.tensors.TensorChannel`.  A training step, on
+through the :class:`~lamploop.sync.channel.TensorChannel`.  A training step, on
 every rank::
 
     for each of up to k batches (k = accumulate_gradient_over_n_batches):
         loss_sum, n = model(batch); (loss_sum / expected).backward()
     global_n = sum of n over ranks           # also tells when every rank is done
-    gradients = reduced sum * expected / global_n
+    gradients = reduced sum * expected / global_n   # the strategy's GradientSync.reduce
     step_optimizer(); clear gradients
 
 A rank whose stream is exhausted keeps taking part with zero examples until the
@@ -16,19 +16,19 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from lamploop.batches import Batch, BatchStream
-from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
+from lamploop.batches import BatchStream
+from lamploop.errors import BatchError, ConfigurationError
+from lamploop.loop.batch_checks import check_finite, prepare
 from lamploop.model import SupervisedModel
-from lamploop.tensors import PendingSum, SingleProcessChannel, TensorChannel
+from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 
 __all__ = ["one_epoch"]
 
@@ -46,74 +46,6 @@ class _Yielder:
         if now - self._last >= _YIELD_EVERY_S:
             self._last = now
             await anyio.lowlevel.checkpoint()
-
-
-def _where(epoch: int | None, batch: int, rank: int) -> str:
-    place = f"batch {batch}" if epoch is None else f"epoch {epoch}, batch {batch}"
-    return place if rank == 0 else f"{place} on rank {rank}"
-
-
-def _leading_sizes(features: Any) -> list[int]:
-    if isinstance(features, torch.Tensor):
-        return [int(features.shape[0])] if features.dim() > 0 else []
-    if isinstance(features, Mapping):
-        features = list(features.values())
-    if isinstance(features, (list, tuple)):
-        return [size for f in features for size in _leading_sizes(f)]
-    return []
-
-
-def _prepare(item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int) -> Batch:
-    """Check one batch and move it to ``device``; errors name the epoch, batch and rank."""
-
-    def where() -> str:
-        return _where(epoch, index, rank)
-
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        msg = f"{where()}: expected a (features, target) pair, got {type(item).__name__}"
-        raise BatchError(msg)
-    features, target = item
-    if not isinstance(target, torch.Tensor) or target.dim() == 0:
-        msg = f"{where()}: the target must be a tensor with a batch dimension, got {target!r:.80}"
-        raise BatchError(msg)
-    n = int(target.shape[0])
-    if n == 0:
-        msg = f"{where()}: the batch is empty (0 examples)"
-        raise BatchError(msg)
-    sizes = _leading_sizes(features)
-    if any(size != n for size in sizes):
-        msg = f"{where()}: features have batch size {sizes[0] if sizes[0] != n else sizes}, target has {n}"
-        raise BatchError(msg)
-    if device is not None:
-        features = _to_device(features, device)
-        target = target.to(device, non_blocking=True)
-    return features, target
-
-
-def _to_device(features: Any, device: torch.device) -> Any:
-    if isinstance(features, torch.Tensor):
-        return features.to(device, non_blocking=True)
-    if isinstance(features, Mapping):
-        return {key: _to_device(value, device) for key, value in features.items()}
-    if isinstance(features, (list, tuple)):
-        return type(features)(_to_device(f, device) for f in features)
-    return features
-
-
-def _check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int) -> None:
-    if math.isfinite(total):
-        return
-    bad = (
-        [i for i, finite in enumerate(torch.isfinite(torch.stack(list(losses))).tolist()) if not finite]
-        if losses
-        else []
-    )
-    if bad:
-        msg = f"{_where(epoch, bad[0], rank)}: the loss is {float(losses[bad[0]])}"
-        raise NonFiniteLossError(msg, epoch=epoch, batch=bad[0])
-    place = "" if epoch is None else f" of epoch {epoch}"
-    msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"
-    raise NonFiniteLossError(msg, epoch=epoch, batch=None)
 
 
 async def _epoch_totals(
@@ -214,13 +146,13 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            features, target = _prepare(item, device, epoch, index, rank)
+            features, target = prepare(item, device, epoch, index, rank)
             loss_sum, n = model.loss_sum_and_count(features, target)
             losses.append(loss_sum.detach())
             count += n
             await yield_now()
     total, global_count = await _epoch_totals(channel, losses, count)
-    _check_finite(losses, total, epoch, rank)
+    check_finite(losses, total, epoch, rank)
     return total, global_count
 
 
@@ -236,8 +168,8 @@ async def _training_pass(
     module = model.module
     module.train()
     rank, single = channel.rank, channel.nranks == 1
-    sync = channel.gradient_sync(list(module.parameters()))
-    sync.zero_grad()
+    sync = channel.gradient_sync(module)
+    sync.begin_pass()
     losses: list[torch.Tensor] = []
     count = 0
     yield_now = _Yielder()
@@ -257,7 +189,7 @@ async def _training_pass(
             if upcoming is None:
                 break
             index = len(losses)
-            features, target = _prepare(upcoming, device, epoch, index, rank)
+            features, target = prepare(upcoming, device, epoch, index, rank)
             upcoming = await anext(stream, None)
             loss_sum, n = model.loss_sum_and_count(features, target)
             if position == 0 and single:
@@ -268,7 +200,7 @@ async def _training_pass(
                 # Every rank starts the count before any gradient bucket, so the
                 # collectives pair up in the same order on all ranks.
                 pending = None if single else channel.begin_all_reduce_sum([group_count])
-                sync.arm()
+                sync.last_backward()
             if expected == 1:
                 loss_sum.backward()
             else:
@@ -285,11 +217,11 @@ async def _training_pass(
             break
         count += group_count
         previous_global_count = global_count
-        sync.finish(expected / global_count)
+        sync.reduce(expected / global_count)
         step_optimizer()
         sync.after_step()
         await yield_now()
-    sync.flush()
+    sync.end_pass()
     total, global_total = await _epoch_totals(channel, losses, count)
-    _check_finite(losses, total, epoch, rank)
+    check_finite(losses, total, epoch, rank)
     return total, global_total

@@ -1,0 +1,242 @@
+"""``drive_distributed_training``: the root rank runs the epoch loop and tells the followers what to run.
+
+Launch (one process per rank; see docs/distributed.md)::
+
+    # rank 0                                   # ranks 1..n-1
+    async with TcpControlRoot(...) as control:  async with TcpControlFollower(...) as control:
+        await drive_distributed_training(         await follow_distributed_training(
+            nranks=n, control=control, ...)           rank=r, nranks=n, control=control, ...)
+
+What happens, in order:
+
+1. the root opens a ``torch.distributed`` store on a free port and hands its address to the
+   followers through the control channel (no MASTER_ADDR);
+2. every rank joins a process group over it (Gloo for CPU, NCCL for CUDA) and the ranks
+   settle the strategy and the starting state (:mod:`lamploop.distributed.initial_sync`);
+3. the root runs :func:`lamploop.epochs`; before each epoch it broadcasts ``Train`` /
+   ``Valid`` and every rank runs the same :class:`~lamploop.distributed.replica.Replica`
+   epoch, on a worker thread (:mod:`lamploop.distributed.worker`);
+4. the root broadcasts ``Stop`` and copies the best model into its module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Container, Iterable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import torch
+
+from lamploop.batches import BatchStreamFactory
+from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
+from lamploop.distributed.process_group import create_store
+from lamploop.distributed.replica import RankPlan, Replica, learning_rates, open_replica
+from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.loop.epoch_driver import epochs
+from lamploop.model import SupervisedModel
+from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
+from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.sync.collectives import AbortSignal
+
+__all__ = ["OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
+
+S = TypeVar("S")
+T = TypeVar("T")
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+LOST_PEER_GRACE_S = 3.0
+"""A dead rank breaks a collective at once; its control connection tells which rank it was
+a moment later."""
+
+
+async def named_peer_failures(run: Awaitable[T], control: object | None, nranks: int) -> T:
+    """Await ``run``; if a collective fails, give the control channel time to name the lost rank.
+
+    The control channel cancels this task and raises :class:`PeerLostError` naming the rank
+    if it notices one; otherwise the collective's :class:`DistributedError` stands.
+    """
+    try:
+        return await run
+    except DistributedError:
+        if control is not None and nranks > 1:
+            await anyio.sleep(LOST_PEER_GRACE_S)
+        raise
+
+
+def check_place(nranks: int, device: torch.device | str, where: str) -> torch.device:
+    """Check ``nranks`` and ``device``; the device as a ``torch.device``."""
+    try:
+        check_int("nranks", nranks, 1)
+        return torch.device(device)
+    except (ConfigurationError, RuntimeError, TypeError) as exc:
+        msg = f"{where}: {exc}"
+        raise ConfigurationError(msg) from None
+
+
+class _RootEpochs:
+    """The effects :func:`lamploop.epochs` awaits on the root: tell, train, validate, keep the best."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        control: ControlRoot | None,
+        checkpoint_state: Callable[[LoopStateWithModelAndOptimizerData, Any], Awaitable[None]] | None,
+        init_state: LoopStateWithModelAndOptimizerData | None,
+    ) -> None:
+        self.replica = replica
+        self.control = control
+        self.checkpoint_state = checkpoint_state
+        self.next_epoch = init_state.loop_state.epoch if init_state is not None else 0
+        self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
+
+    async def tell(self, command: Train | Valid | Stop) -> None:
+        if self.control is not None and self.replica.channel.nranks > 1:
+            await self.control.broadcast(command)
+
+    async def train(self, lr_factor: float) -> float:
+        await self.tell(Train(epoch=self.next_epoch, lr_factor=lr_factor))
+        return await self.replica.train(self.next_epoch, lr_factor)
+
+    async def validate(self) -> float:
+        await self.tell(Valid(epoch=self.next_epoch))
+        return await self.replica.validate(self.next_epoch)
+
+    async def save_best(self) -> None:
+        self.best = {k: v.detach().clone() for k, v in self.replica.model.module.state_dict().items()}
+
+    async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
+        self.next_epoch = state.epoch
+        if self.checkpoint_state is not None:
+            optimizer = self.replica.optimizer
+            data = LoopStateWithModelAndOptimizerData(
+                loop_state=state,
+                model=self.replica.model.module.state_dict(),
+                optimizer=optimizer.state_dict() if optimizer is not None else {},
+                best_model=self.best,
+            )
+            await self.checkpoint_state(data, schedule_state)
+
+
+async def drive_distributed_training(
+    *,
+    nranks: int,
+    device: torch.device | str,
+    control: ControlRoot | None,
+    model: SupervisedModel,
+    optimizer_factory: OptimizerFactory,
+    train_batches: BatchStreamFactory,
+    validation_batches: BatchStreamFactory | None,
+    max_epochs: int,
+    checkpoint_state: Callable[[LoopStateWithModelAndOptimizerData, S], Awaitable[None]] | None = None,
+    validation_frequency: int = 1,
+    return_min_validation_loss_model: Container[int] = (),
+    learning_rate_schedule: LearningRateSchedule[S] = noop(),  # type: ignore[assignment]
+    init_state: LoopStateWithModelAndOptimizerData | None = None,
+    accumulate_gradient_over_n_batches: int = 1,
+    learning_rate_schedule_init_state: S | None = None,
+    validation_loss_exponential_smoothing_factor: float = 1.0,
+    strategy: str = "auto",
+    host: str = "127.0.0.1",
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> LoopState:
+    """Drive training on the root rank (rank 0); with ``nranks == 1``, train alone.
+
+    The epoch semantics are those of :func:`lamploop.epochs`; every epoch runs
+    :func:`lamploop.one_epoch` on every rank, with gradients combined as the mean over all
+    examples of all ranks.  When training ends the best model (if an eligible epoch
+    validated) is copied into ``model.module``.
+
+    Args:
+        nranks: the number of ranks, this one included.
+        device: where this rank trains (``"cpu"`` uses Gloo, ``"cuda:i"`` NCCL).
+        control: the root's control channel, already entered; ``None`` only when ``nranks == 1``.
+        model: the module and loss; moved to ``device``.
+        optimizer_factory: makes the optimizer from the module's parameters.
+        train_batches, validation_batches: stream factories, called with
+            ``BatchContext(epoch, rank=0, nranks)``.
+        checkpoint_state: awaited after every epoch with the loop state (at ``epoch + 1``),
+            the model, optimizer and best-model tensors, and the schedule state the next
+            epoch will use; e.g. a :class:`lamploop.checkpoint.Checkpointer`.
+        init_state: resume from this (see :func:`lamploop.checkpoint.load_checkpoint`).
+        strategy: a registered gradient-sync strategy (``"all_reduce"``: every rank steps a
+            replicated optimizer; ``"reduce_to_root"``: lamp's, the root steps and broadcasts
+            the parameters), or ``"auto"`` (the default everywhere): ``all_reduce`` when
+            every follower passed ``optimizer_factory``, else ``reduce_to_root``.
+        host: the address the tensor channel's store listens on.
+        bucket_cap_mb: gradient bucket size.
+        collective_timeout: seconds before a collective whose peers are all alive but never
+            arrive fails (lost ranks are found by the control channel long before).
+
+    The other arguments are those of :func:`lamploop.epochs`.
+
+    Returns:
+        The final :class:`LoopState`.
+
+    Raises:
+        ConfigurationError: bad arguments.
+        DistributedError: the tensor channel failed or the ranks disagree.
+        ControlChannelError: the control channel failed; :class:`PeerLostError` names a lost rank.
+    """
+    settings = TrainingSettings.from_arguments(locals())
+    torch_device = check_place(nranks, device, "drive_distributed_training")
+    if nranks > 1 and control is None:
+        msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
+        raise ConfigurationError(msg)
+    module = model.module
+
+    def set_up() -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
+        module.to(torch_device)
+        if init_state is not None:
+            module.load_state_dict(init_state.model)
+        optimizer = optimizer_factory(module.parameters())
+        base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
+        if init_state is not None and init_state.optimizer:
+            optimizer.load_state_dict(dict(init_state.optimizer))
+        return optimizer, base_lrs
+
+    # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
+    # answers the followers' handshakes, free meanwhile.
+    optimizer, base_lrs = await anyio.to_thread.run_sync(set_up)
+
+    async def connect() -> Any:
+        store, port = create_store(host, nranks, settings.collective_timeout)
+        if control is not None:
+            await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
+        return store
+
+    plan = RankPlan(
+        rank=0,
+        nranks=nranks,
+        device=torch_device,
+        model=model,
+        optimizer=optimizer,
+        base_lrs=base_lrs,
+        train_batches=train_batches,
+        validation_batches=validation_batches,
+        settings=settings,
+    )
+    async with open_replica(plan, connect, AbortSignal()) as replica:
+        root = _RootEpochs(replica, control, checkpoint_state, init_state)
+        # On failure no Stop is sent: leaving the control channel without it aborts the
+        # followers with the root's reason instead of ending them as if all went well.
+        run = epochs(
+            max_epochs=settings.max_epochs,
+            train_epoch=root.train,
+            validation_epoch=root.validate if validation_batches is not None else None,
+            save_min_validation_loss_model=root.save_best,
+            checkpoint_state=root.after_epoch,
+            validation_frequency=settings.validation_frequency,
+            return_min_validation_loss_model=settings.return_min_validation_loss_model,
+            learning_rate_schedule=settings.learning_rate_schedule,
+            init_state=init_state.loop_state if init_state is not None else None,
+            learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+            validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
+        )
+        state = await named_peer_failures(run, control, nranks)
+        await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
+    if root.best:
+        module.load_state_dict(root.best)
+    return state

@@ -1,0 +1,114 @@
+"""``follow_distributed_training``: a follower rank runs the epochs the root commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from lamploop.batches import BatchStreamFactory
+from lamploop.control.commands import ControlFollower, Train, Valid
+from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
+from lamploop.distributed.process_group import connect_store
+from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
+from lamploop.errors import ConfigurationError
+from lamploop.model import SupervisedModel
+from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
+from lamploop.sync.collectives import AbortSignal
+from lamploop.sync.strategy import AUTO, strategy_named
+
+__all__ = ["follow_distributed_training"]
+
+
+async def follow_distributed_training(
+    *,
+    rank: int,
+    nranks: int,
+    device: torch.device | str,
+    control: ControlFollower,
+    model: SupervisedModel,
+    train_batches: BatchStreamFactory,
+    validation_batches: BatchStreamFactory | None,
+    accumulate_gradient_over_n_batches: int = 1,
+    optimizer_factory: OptimizerFactory | None = None,
+    strategy: str = "auto",
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> None:
+    """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
+
+    Args:
+        rank: this rank, ``1 .. nranks - 1``.
+        nranks: the number of ranks.
+        device: where this rank trains.
+        control: this follower's control channel, already entered.
+        model: this rank's copy of the model (same parameter names, shapes and dtypes as
+            the root's); its values are replaced by the root's at start.
+        train_batches, validation_batches: stream factories, called with
+            ``BatchContext(epoch, rank, nranks)``.
+        optimizer_factory: needed when every rank steps (``"all_reduce"``); with
+            ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
+        strategy: must equal the root's (see :func:`drive_distributed_training`).
+
+    Raises:
+        ConfigurationError: bad arguments.
+        DistributedError: the tensor channel failed or the ranks disagree.
+        ControlChannelError: the control channel failed (refused, root lost...).
+    """
+    settings = TrainingSettings.from_arguments(locals())
+    torch_device = check_place(nranks, device, "follow_distributed_training")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
+        msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
+        raise ConfigurationError(msg)
+    if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
+        msg = (
+            f"follow_distributed_training: strategy {strategy!r} steps on every rank "
+            "and needs optimizer_factory"
+        )
+        raise ConfigurationError(msg)
+    module = model.module
+
+    def set_up() -> torch.optim.Optimizer | None:
+        module.to(torch_device)
+        return optimizer_factory(module.parameters()) if optimizer_factory is not None else None
+
+    optimizer = await anyio.to_thread.run_sync(set_up)
+    base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
+    rendezvous, commands = await control.join()
+
+    async def connect() -> Any:
+        return await anyio.to_thread.run_sync(
+            connect_store, rendezvous.host, rendezvous.port, nranks, settings.collective_timeout
+        )
+
+    plan = RankPlan(
+        rank=rank,
+        nranks=nranks,
+        device=torch_device,
+        model=model,
+        optimizer=optimizer,
+        base_lrs=base_lrs,
+        train_batches=train_batches,
+        validation_batches=validation_batches,
+        settings=settings,
+    )
+    async with open_replica(plan, connect, AbortSignal()) as replica:
+
+        async def obey() -> None:
+            async for command in commands:
+                if isinstance(command, Train):
+                    await replica.train(command.epoch, command.lr_factor)
+                elif isinstance(command, Valid):
+                    if validation_batches is None:
+                        msg = (
+                            f"rank {rank}: the root validates in epoch {command.epoch}, "
+                            "but this rank has no validation_batches"
+                        )
+                        raise ConfigurationError(msg)
+                    await replica.validate(command.epoch)
+                else:
+                    return
+
+        await named_peer_failures(obey(), control, nranks)

@@ -1,0 +1,89 @@
+"""What the ranks settle once, before the first epoch, identically on every rank.
+
+1. they agree on the gradient-sync strategy (``"auto"`` becomes ``all_reduce`` when every
+   rank has an optimizer, else ``reduce_to_root``) and on the model's parameter names,
+   shapes and dtypes;
+2. the root's model state is broadcast, so followers start from it, also when resuming;
+3. when every rank steps, the root's optimizer state is broadcast too (JSON skeleton and
+   tensors over the group: nothing is pickled).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lamploop.errors import DistributedError
+from lamploop.modelspec import model_spec
+from lamploop.optimizer_state import decode_tree, encode_tree
+from lamploop.sync.collectives import Collectives
+from lamploop.sync.strategy import AUTO, SyncStrategy, strategy_named
+
+__all__ = ["initial_sync"]
+
+logger = logging.getLogger("lamploop")
+
+
+def _resolve(collectives: Collectives, requested: str, has_optimizer: bool) -> SyncStrategy:
+    collectives.check_agreement("the sync strategy", requested)
+    if requested != AUTO:
+        return strategy_named(requested)
+    with_optimizer = int(collectives.sum([float(has_optimizer)]).wait()[0])
+    name = "all_reduce" if with_optimizer == collectives.nranks else "reduce_to_root"
+    if collectives.rank == 0:
+        logger.info(
+            "strategy 'auto' is %s: %d of %d ranks have an optimizer",
+            name,
+            with_optimizer,
+            collectives.nranks,
+        )
+    return strategy_named(name)
+
+
+def _broadcast_optimizer_state(collectives: Collectives, optimizer: torch.optim.Optimizer) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = (
+        encode_tree(optimizer.state_dict(), tensors, error=DistributedError)
+        if collectives.rank == 0
+        else None
+    )
+    specs = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()]
+    skeleton, specs = collectives.broadcast_json([skeleton, specs], "root's optimizer state")
+    if collectives.rank != 0:
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in specs}
+    collectives.broadcast_tensors(list(tensors.values()), "root's optimizer tensors")
+    if collectives.rank != 0:
+        optimizer.load_state_dict(
+            decode_tree(skeleton, tensors, "the root's optimizer state", error=DistributedError)
+        )
+
+
+def initial_sync(
+    collectives: Collectives,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    requested_strategy: str,
+) -> tuple[SyncStrategy, torch.optim.Optimizer | None]:
+    """Settle the strategy and the starting state; returns the strategy and this rank's optimizer.
+
+    The optimizer is ``None`` on followers when the strategy steps on the root alone.
+
+    Raises:
+        DistributedError: the ranks disagree (the message names on what), or a collective failed.
+    """
+    strategy = _resolve(collectives, requested_strategy, optimizer is not None)
+    collectives.check_agreement(
+        "the model's parameter names, shapes and dtypes", model_spec(module).fingerprint()
+    )
+    collectives.broadcast_tensors(list(module.state_dict().values()), "root's model state")
+    if not strategy.steps_on_every_rank:
+        return strategy, optimizer if collectives.rank == 0 else None
+    if optimizer is None:
+        msg = (
+            f"rank {collectives.rank}: strategy {strategy.name!r} steps on every rank, "
+            "but this rank has no optimizer (pass optimizer_factory)"
+        )
+        raise DistributedError(msg)
+    _broadcast_optimizer_state(collectives, optimizer)
+    return strategy, optimizer

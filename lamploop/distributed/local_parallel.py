@@ -1,0 +1,145 @@
+"""``local_data_parallel_training_loop``: one process, one replica per device, one thread each.
+
+The replicas are ranks of an in-process control channel
+(:func:`lamploop.control.local_control`) and of a process group per replica over one
+shared store: the code path of separate processes.  Each rank is a task of one task group;
+the first error of any rank ends every rank (their collective waits are aborted) and is
+the one raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Container, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from lamploop.batches import BatchStreamFactory
+from lamploop.control.commands import ControlFollower
+from lamploop.control.local import local_control
+from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
+from lamploop.distributed.follow import follow_distributed_training
+from lamploop.errors import ConfigurationError
+from lamploop.model import SupervisedModel
+from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
+from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+
+__all__ = ["local_data_parallel_training_loop"]
+
+S = TypeVar("S")
+
+
+class _FirstError:
+    """Remembers the first exception of any rank, to raise it instead of the group of all."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    async def watch(self, run: Awaitable[Any]) -> Any:
+        try:
+            return await run
+        except Exception as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+async def _follow(follower: ControlFollower, **kwargs: Any) -> None:
+    async with follower:  # type: ignore[attr-defined]
+        await follow_distributed_training(control=follower, **kwargs)
+
+
+async def local_data_parallel_training_loop(
+    models_with_data_streams: Sequence[tuple[SupervisedModel, BatchStreamFactory, BatchStreamFactory | None]],
+    optimizer_factory: OptimizerFactory,
+    max_epochs: int,
+    checkpoint_state: Callable[[LoopStateWithModelAndOptimizerData, S], Awaitable[None]] | None = None,
+    validation_frequency: int = 1,
+    return_min_validation_loss_model: Container[int] = (),
+    learning_rate_schedule: LearningRateSchedule[S] = noop(),  # type: ignore[assignment]
+    init_state: LoopStateWithModelAndOptimizerData | None = None,
+    accumulate_gradient_over_n_batches: int = 1,
+    learning_rate_schedule_init_state: S | None = None,
+    validation_loss_exponential_smoothing_factor: float = 1.0,
+    *,
+    strategy: str = "auto",
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> LoopState:
+    """Data-parallel training in one process: one replica per device, one thread each.
+
+    Each element of ``models_with_data_streams`` is ``(model, train_batches,
+    validation_batches)`` for one replica; a replica trains on the device its parameters are
+    on.  The trained (best) model ends in the *first* model.  The other arguments are those
+    of :func:`drive_distributed_training`.
+
+    Raises:
+        ConfigurationError: no replicas, or replicas on one CUDA device.
+        LamploopError: the first error of any replica (the others are ended within seconds).
+    """
+    settings = TrainingSettings.from_arguments(locals())
+    if not models_with_data_streams:
+        msg = "local_data_parallel_training_loop: models_with_data_streams is empty"
+        raise ConfigurationError(msg)
+    nranks = len(models_with_data_streams)
+    devices = [_device_of(m.module) for m, _, _ in models_with_data_streams]
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        msg = f"local_data_parallel_training_loop: NCCL needs one CUDA device per replica, got {devices}"
+        raise ConfigurationError(msg)
+    step = settings.for_every_rank()
+    root, followers = local_control(nranks)
+    first = _FirstError()
+    (root_model, root_train, root_valid), *others = models_with_data_streams
+    state: LoopState | None = None
+    try:
+        async with root, anyio.create_task_group() as tasks:
+            for rank, (follower, (model, train, valid)) in enumerate(zip(followers, others, strict=True), 1):
+                run = _follow(
+                    follower,
+                    rank=rank,
+                    nranks=nranks,
+                    device=devices[rank],
+                    model=model,
+                    train_batches=train,
+                    validation_batches=valid,
+                    optimizer_factory=optimizer_factory,
+                    **step,
+                )
+                tasks.start_soon(first.watch, run)
+            state = await first.watch(
+                drive_distributed_training(
+                    nranks=nranks,
+                    device=devices[0],
+                    control=root,
+                    model=root_model,
+                    optimizer_factory=optimizer_factory,
+                    train_batches=root_train,
+                    validation_batches=root_valid,
+                    max_epochs=settings.max_epochs,
+                    checkpoint_state=checkpoint_state,
+                    validation_frequency=settings.validation_frequency,
+                    return_min_validation_loss_model=settings.return_min_validation_loss_model,
+                    learning_rate_schedule=learning_rate_schedule,
+                    init_state=init_state,
+                    learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                    validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
+                    **step,
+                )
+            )
+    except BaseException as exc:
+        if first.error is None or exc is first.error:
+            raise
+        raise first.error from exc  # the group of every rank's error (and cancellations)
+    if state is None:  # unreachable: without an error the root's task returned a state
+        msg = "local_data_parallel_training_loop: the root ended without a state"
+        raise RuntimeError(msg)
+    return state

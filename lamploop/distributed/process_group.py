@@ -1,0 +1,69 @@
+"""Process groups: the root's store, the followers' clients of it, and one group per rank.
+
+The root opens a ``torch.distributed.TCPStore`` on a free port and hands its address to
+the followers through the control channel (lamp did the same with NCCL's unique id), so
+nothing reads ``MASTER_ADDR``.  Every rank then builds a process-group *object* over the
+store (Gloo for CPU devices, NCCL for CUDA ones), never the global default group, so
+several can live in one process (``local_data_parallel_training_loop``).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.sync.collectives import Group
+
+__all__ = ["connect_store", "create_store", "new_process_group"]
+
+
+def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore, int]:
+    """The root's store on a free port of ``host``, and that port."""
+    try:
+        store = dist.TCPStore(
+            host,
+            0,
+            nranks,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    except (RuntimeError, OSError) as exc:
+        msg = f"the root cannot open its store on {host}: {exc}"
+        raise DistributedError(msg) from exc
+    return store, int(store.port)
+
+
+def connect_store(host: str, port: int, nranks: int, timeout: float) -> dist.TCPStore:
+    """A follower's client of the root's store."""
+    try:
+        return dist.TCPStore(host, port, nranks, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as exc:
+        msg = f"cannot reach the root's store at {host}:{port}: {exc}"
+        raise DistributedError(msg) from exc
+
+
+def new_process_group(
+    store: dist.Store, *, rank: int, nranks: int, device: torch.device, timeout: float, prefix: str
+) -> Group:
+    """A Gloo (CPU) or NCCL (CUDA) process group over ``store`` (blocks until every rank joins)."""
+    scoped = dist.PrefixStore(prefix, store)
+    span = datetime.timedelta(seconds=timeout)
+    try:
+        if device.type == "cuda":
+            if not dist.is_nccl_available():
+                msg = f"device {device} needs NCCL, which this build of torch lacks"
+                raise DistributedError(msg)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = span
+            return dist.ProcessGroupNCCL(scoped, rank, nranks, options)
+        if device.type != "cpu":
+            msg = f"device type {device.type!r} is not supported by the tensor channel (cpu or cuda)"
+            raise ConfigurationError(msg)
+        return dist.ProcessGroupGloo(scoped, rank, nranks, span)
+    except RuntimeError as exc:
+        msg = f"rank {rank} of {nranks} could not join the process group: {exc}"
+        raise DistributedError(msg) from exc

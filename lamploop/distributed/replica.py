@@ -1,0 +1,206 @@
+"""One rank's share of a training run: the epoch functions the root and the followers share.
+
+The root and every follower open a :class:`Replica` with :func:`open_replica` and call the
+same :meth:`Replica.train` / :meth:`Replica.validate`; they differ only in who decides
+what runs next (the root's epoch loop, or the commands a follower receives).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from lamploop.batches import BatchContext, BatchStreamFactory
+from lamploop.distributed.abandon import abandon
+from lamploop.distributed.initial_sync import initial_sync
+from lamploop.distributed.process_group import new_process_group
+from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
+from lamploop.loop.epoch_pass import one_epoch
+from lamploop.model import SupervisedModel
+from lamploop.settings import TrainingSettings
+from lamploop.sync.channel import SingleProcessChannel, TensorChannel
+from lamploop.sync.collectives import AbortSignal, Collectives
+from lamploop.sync.group_channel import ProcessGroupChannel
+
+__all__ = ["Replica", "learning_rates", "open_replica", "set_learning_rate_factor"]
+
+_STORE_PREFIX = "lamploop"
+
+
+def set_learning_rate_factor(
+    optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], factor: float
+) -> None:
+    """Set every param group's learning rate to its base rate times ``factor``."""
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * factor
+
+
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> tuple[float, ...]:
+    """Each param group's learning rate (none without an optimizer)."""
+    return tuple(float(g["lr"]) for g in optimizer.param_groups) if optimizer is not None else ()
+
+
+def _no_step() -> None:
+    """Followers of a root-steps strategy: the new parameters arrive from the root."""
+
+
+@attrs.define
+class Replica:
+    """A model, its data and its channel: everything one rank needs to run an epoch.
+
+    Attributes:
+        model: this rank's copy of the model.
+        channel: the tensor channel joining the ranks.
+        train_batches: makes this rank's training stream for an epoch.
+        validation_batches: makes this rank's validation stream, or ``None``.
+        settings: the run's training settings.
+        device: where batches are moved before the forward pass.
+        optimizer: this rank's optimizer, or ``None`` when another rank steps.
+        base_lrs: each param group's learning rate before any schedule factor, read from
+            the fresh optimizer (a loaded state dict holds its last epoch's rates).
+        run_epoch: runs an epoch's coroutine: on the event loop (one rank) or a worker thread.
+    """
+
+    model: SupervisedModel
+    channel: TensorChannel
+    train_batches: BatchStreamFactory
+    validation_batches: BatchStreamFactory | None
+    settings: TrainingSettings
+    device: torch.device
+    optimizer: torch.optim.Optimizer | None
+    base_lrs: tuple[float, ...] = ()
+    run_epoch: EpochRunner = run_here
+
+    def _context(self, epoch: int) -> BatchContext:
+        return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)
+
+    async def train(self, epoch: int, lr_factor: float) -> float:
+        """Train one epoch with the learning rates scaled by ``lr_factor``; the global mean loss."""
+        step: Callable[[], object] = _no_step
+        if self.optimizer is not None:
+            set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
+            step = self.optimizer.step
+        return await self.run_epoch(
+            functools.partial(
+                one_epoch,
+                model=self.model,
+                batches=self.train_batches(self._context(epoch)),
+                channel=self.channel,
+                step_optimizer=step,
+                accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
+                device=self.device,
+                epoch=epoch,
+            )
+        )
+
+    async def validate(self, epoch: int) -> float:
+        """One forward-only pass over the validation stream; the global mean loss."""
+        if self.validation_batches is None:
+            msg = f"rank {self.channel.rank}: asked to validate epoch {epoch} without validation_batches"
+            raise RuntimeError(msg)
+        return await self.run_epoch(
+            functools.partial(
+                one_epoch,
+                model=self.model,
+                batches=self.validation_batches(self._context(epoch)),
+                channel=self.channel,
+                forward_only=True,
+                device=self.device,
+                epoch=epoch,
+            )
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RankPlan:
+    """What one rank brings to :func:`open_replica`.
+
+    Attributes:
+        rank, nranks: its place.
+        device: where it trains.
+        model: its model (already on ``device``).
+        optimizer: its optimizer (``None``: it has no factory).
+        base_lrs: the optimizer's learning rates before any factor.
+        train_batches, validation_batches: its stream factories.
+        settings: the run's settings.
+    """
+
+    rank: int
+    nranks: int
+    device: torch.device
+    model: SupervisedModel
+    optimizer: torch.optim.Optimizer | None
+    base_lrs: tuple[float, ...]
+    train_batches: BatchStreamFactory
+    validation_batches: BatchStreamFactory | None
+    settings: TrainingSettings
+
+
+@asynccontextmanager
+async def open_replica(
+    plan: RankPlan, connect: Callable[[], Awaitable[Any]], abort: AbortSignal
+) -> AsyncIterator[Replica]:
+    """This rank's :class:`Replica` on its tensor channel, set up and torn down.
+
+    ``connect`` gives the store the process group is built over (unused with one rank);
+    ``abort`` ends the rank's collective waits when the run fails elsewhere.
+    """
+    settings = plan.settings
+
+    def replica(
+        channel: TensorChannel, optimizer: torch.optim.Optimizer | None, runner: EpochRunner
+    ) -> Replica:
+        return Replica(
+            model=plan.model,
+            channel=channel,
+            train_batches=plan.train_batches,
+            validation_batches=plan.validation_batches,
+            settings=settings,
+            device=plan.device,
+            optimizer=optimizer,
+            base_lrs=plan.base_lrs,
+            run_epoch=runner,
+        )
+
+    if plan.nranks == 1:
+        yield replica(SingleProcessChannel(), plan.optimizer, run_here)
+        return
+    store = await connect()
+
+    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None]:
+        group = new_process_group(
+            store,
+            rank=plan.rank,
+            nranks=plan.nranks,
+            device=plan.device,
+            timeout=settings.collective_timeout,
+            prefix=_STORE_PREFIX,
+        )
+        collectives = Collectives(
+            group,
+            rank=plan.rank,
+            nranks=plan.nranks,
+            device=plan.device,
+            timeout=settings.collective_timeout,
+            abort=abort,
+        )
+        strategy, optimizer = initial_sync(collectives, plan.model.module, plan.optimizer, settings.strategy)
+        return ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb), optimizer
+
+    # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
+    channel, optimizer = await run_on_worker(join, abort)
+    failed = True
+    try:
+        yield replica(channel, optimizer, worker_runner(abort))
+        failed = False
+    finally:
+        # After a failure nothing in flight will complete: drop it rather than wait, and
+        # keep the group alive (destroying it would block on that work).
+        channel.close(abandon=failed)
+        if failed:
+            abandon(channel.collectives.group)

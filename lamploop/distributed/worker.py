@@ -1,0 +1,85 @@
+"""Where a rank's epoch runs: on a worker thread, so the event loop stays free for the control channel.
+
+In a run of several ranks the event loop carries the control channel: heartbeats, the
+detection of a lost rank, cancellation.  Compute and blocking collective waits must not
+hold it, or a long step looks like a dead rank and a dead rank is found only when a
+collective times out.  So :func:`run_on_worker` runs each epoch on a worker thread with
+an event loop of its own (batch streams are async iterables) and keeps awaiting it,
+cancellably: when the control channel fails, the awaiting task is cancelled,
+:func:`run_on_worker` sets the rank's :class:`~lamploop.sync.collectives.AbortSignal`,
+and the worker, whose every collective wait looks at that signal between short slices,
+gives up within a slice.  The cancellation then goes on; the control channel raises the
+error that names the lost rank.
+
+What runs where::
+
+    event loop (main thread)                worker thread (one epoch at a time)
+    ------------------------                ----------------------------------
+    control channel: heartbeats, commands   one_epoch: batches, forward, backward,
+    epochs(): schedule, checkpoints         optimizer step, collective waits (sliced,
+    run_on_worker(): awaits, aborts         abort signal checked between slices)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, cast
+
+import anyio
+import anyio.to_thread
+
+from lamploop.sync.collectives import AbortSignal
+
+__all__ = ["EpochRunner", "run_here", "run_on_worker", "worker_runner"]
+
+T = TypeVar("T")
+EpochRunner = Callable[[Callable[[], Awaitable[float]]], Awaitable[float]]
+"""Runs one epoch coroutine function and returns its result."""
+
+
+async def run_here(epoch: Callable[[], Awaitable[float]]) -> float:
+    """Run the epoch on the event loop itself (one rank: no heartbeats to keep)."""
+    return await epoch()
+
+
+async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
+    """Call ``work`` on a worker thread; if the awaiting task is cancelled, set ``abort``.
+
+    Returns what ``work`` returns and raises what it raises; on cancellation, waits for the
+    worker to give up (it does within a collective's wait slice) and re-raises the cancellation.
+    """
+    outcome: list[tuple[bool, object]] = []
+    finished = anyio.Event()
+
+    def call() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # handed to the awaiting task, which raises it
+            outcome.append((False, exc))
+
+    async def in_worker() -> None:
+        with anyio.CancelScope(shield=True):  # a thread cannot be cancelled: wait for it
+            await anyio.to_thread.run_sync(call)
+        finished.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(in_worker)
+        try:
+            await finished.wait()
+        except anyio.get_cancelled_exc_class():
+            abort.set("the run was cancelled on this rank (the control channel failed or the caller gave up)")
+            raise
+    ok, value = outcome[0]
+    if not ok:
+        raise cast(BaseException, value)
+    return cast(T, value)
+
+
+def worker_runner(abort: AbortSignal) -> EpochRunner:
+    """An :data:`EpochRunner` that runs each epoch in an event loop of its own on a worker thread."""
+
+    async def run(epoch: Callable[[], Awaitable[float]]) -> float:
+        return await run_on_worker(functools.partial(anyio.run, epoch), abort)
+
+    return run

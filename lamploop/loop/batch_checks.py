@@ -1,0 +1,86 @@
+"""Checks of what a batch stream yields, and of the losses, with errors that say where.
+
+Every message names the epoch, the batch (0-based, on this rank) and the rank when it is
+not the root, so that a bad item in a stream of thousands is found at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lamploop.batches import Batch
+from lamploop.errors import BatchError, NonFiniteLossError
+
+__all__ = ["check_finite", "prepare", "where"]
+
+
+def where(epoch: int | None, batch: int, rank: int) -> str:
+    place = f"batch {batch}" if epoch is None else f"epoch {epoch}, batch {batch}"
+    return place if rank == 0 else f"{place} on rank {rank}"
+
+
+def _leading_sizes(features: Any) -> list[int]:
+    if isinstance(features, torch.Tensor):
+        return [int(features.shape[0])] if features.dim() > 0 else []
+    if isinstance(features, Mapping):
+        features = list(features.values())
+    if isinstance(features, (list, tuple)):
+        return [size for f in features for size in _leading_sizes(f)]
+    return []
+
+
+def prepare(item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int) -> Batch:
+    """Check one batch and move it to ``device``; errors name the epoch, batch and rank."""
+
+    def place() -> str:
+        return where(epoch, index, rank)
+
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        msg = f"{place()}: expected a (features, target) pair, got {type(item).__name__}"
+        raise BatchError(msg)
+    features, target = item
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        msg = f"{place()}: the target must be a tensor with a batch dimension, got {target!r:.80}"
+        raise BatchError(msg)
+    n = int(target.shape[0])
+    if n == 0:
+        msg = f"{place()}: the batch is empty (0 examples)"
+        raise BatchError(msg)
+    sizes = _leading_sizes(features)
+    if any(size != n for size in sizes):
+        msg = f"{place()}: features have batch size {sizes[0] if sizes[0] != n else sizes}, target has {n}"
+        raise BatchError(msg)
+    if device is not None:
+        features = _to_device(features, device)
+        target = target.to(device, non_blocking=True)
+    return features, target
+
+
+def _to_device(features: Any, device: torch.device) -> Any:
+    if isinstance(features, torch.Tensor):
+        return features.to(device, non_blocking=True)
+    if isinstance(features, Mapping):
+        return {key: _to_device(value, device) for key, value in features.items()}
+    if isinstance(features, (list, tuple)):
+        return type(features)(_to_device(f, device) for f in features)
+    return features
+
+
+def check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int) -> None:
+    if math.isfinite(total):
+        return
+    bad = (
+        [i for i, finite in enumerate(torch.isfinite(torch.stack(list(losses))).tolist()) if not finite]
+        if losses
+        else []
+    )
+    if bad:
+        msg = f"{where(epoch, bad[0], rank)}: the loss is {float(losses[bad[0]])}"
+        raise NonFiniteLossError(msg, epoch=epoch, batch=bad[0])
+    place = "" if epoch is None else f" of epoch {epoch}"
+    msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"
+    raise NonFiniteLossError(msg, epoch=epoch, batch=None)

@@ -1,0 +1,168 @@
+"""``TrainingSettings``: one checked description of how a run trains, shared by every entry point.
+
+``drive_distributed_training``, ``follow_distributed_training``,
+``local_data_parallel_training_loop`` and ``fit`` keep the keyword arguments of the
+design contract; each turns them into one :class:`TrainingSettings` first, so that the
+checks (and, for a new setting, the plumbing) live here and nowhere else.  The field
+names are the keyword names, which is what :meth:`TrainingSettings.from_arguments` relies on.
+
+>>> from lamploop.settings import TrainingSettings
+>>> TrainingSettings(max_epochs=3, accumulate_gradient_over_n_batches=2).strategy
+'auto'
+>>> TrainingSettings(max_epochs=-1)
+Traceback (most recent call last):
+...
+lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Mapping
+from typing import Any, ClassVar, Final
+
+import attrs
+
+from lamploop.errors import ConfigurationError
+from lamploop.schedules import LearningRateSchedule, noop
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "TrainingSettings",
+    "check_int",
+    "check_seconds",
+    "check_smoothing",
+]
+
+DEFAULT_BUCKET_CAP_MB: Final = 25.0
+"""Gradient bucket size, as DistributedDataParallel's default."""
+
+DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 1800.0
+"""The backstop for a collective whose peers are all alive (heartbeats flow) but never arrive,
+such as ranks that disagree on what to run.  A dead, frozen or cut-off rank is found by the
+control channel's heartbeats within seconds, long before this; a slow step (a minute and
+more) must not trip it, hence its length."""
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    """``value`` if it is an int (not a bool) ``>= low``, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        msg = f"{name} must be an int >= {low}, got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"{name} must be a positive number of seconds, got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def check_smoothing(value: object) -> float:
+    """The exponential smoothing factor of the validation loss, in ``(0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        msg = f"validation_loss_exponential_smoothing_factor must be in (0, 1], got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def _int_at_least(low: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        check_int(attribute.name, value, low)
+
+    return check
+
+
+def _seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    check_seconds(attribute.name, value)
+
+
+def _smoothing(_: object, __: attrs.Attribute[float], value: float) -> None:
+    check_smoothing(value)
+
+
+def _strategy(_: object, __: attrs.Attribute[str], value: str) -> None:
+    from lamploop.sync.strategy import check_strategy_name  # sync imports settings' constants
+
+    check_strategy_name(value)
+
+
+def _positive_megabytes(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"{attribute.name} must be a positive number of MiB, got {value!r}"
+        raise ConfigurationError(msg)
+
+
+def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    if not callable(getattr(value, "init", None)) or not callable(
+        getattr(value, "learning_rate_factor", None)
+    ):
+        msg = (
+            "learning_rate_schedule must have init() and learning_rate_factor(state, epoch, "
+            f"last_validation_loss) (see lamploop.schedules), got {type(value).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
+def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Container):
+        msg = (
+            "return_min_validation_loss_model must be a container of epochs "
+            f"(a tuple, a set, range(...) or lamploop.ALL_EPOCHS), got {type(value).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class TrainingSettings:
+    """How a run trains: the epoch loop's settings and the step's, checked on construction.
+
+    Attributes:
+        max_epochs: the number of epochs in all (a resumed run counts those done).
+        validation_frequency: validate in epochs ``e`` with ``e % frequency == 0``.
+        return_min_validation_loss_model: the epochs that may become the best model.
+        learning_rate_schedule: the pure schedule of the learning-rate factor.
+        validation_loss_exponential_smoothing_factor: ``a`` in
+            ``smoothed = raw * a + previous * (1 - a)``.
+        accumulate_gradient_over_n_batches: batches per optimizer step on each rank.
+        strategy: the gradient-sync strategy's registered name
+            (:func:`lamploop.sync.strategy_names`), or ``"auto"``: ``"all_reduce"`` when
+            every rank has an optimizer factory, else lamp's ``"reduce_to_root"``.
+        bucket_cap_mb: the gradient bucket size in MiB.
+        collective_timeout: seconds before a collective whose peers are alive but never
+            arrive fails (see :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`).
+
+    Raises:
+        ConfigurationError: a value is out of range; the message names the argument.
+    """
+
+    max_epochs: int = attrs.field(default=0, validator=_int_at_least(0))
+    validation_frequency: int = attrs.field(default=1, validator=_int_at_least(1))
+    return_min_validation_loss_model: Container[int] = attrs.field(default=(), validator=_container)
+    learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(factory=noop, validator=_schedule)
+    validation_loss_exponential_smoothing_factor: float = attrs.field(default=1.0, validator=_smoothing)
+    accumulate_gradient_over_n_batches: int = attrs.field(default=1, validator=_int_at_least(1))
+    strategy: str = attrs.field(default="auto", validator=_strategy)
+    bucket_cap_mb: float = attrs.field(default=DEFAULT_BUCKET_CAP_MB, validator=_positive_megabytes)
+    collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, validator=_seconds)
+
+    EVERY_RANK: ClassVar[tuple[str, ...]] = (
+        "accumulate_gradient_over_n_batches",
+        "strategy",
+        "bucket_cap_mb",
+        "collective_timeout",
+    )
+    """The settings every rank must hold alike (followers take only these)."""
+
+    def for_every_rank(self) -> dict[str, Any]:
+        """The :attr:`EVERY_RANK` settings as keyword arguments (for ``follow_distributed_training``)."""
+        return {name: getattr(self, name) for name in self.EVERY_RANK}
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> TrainingSettings:
+        """The settings among a public function's arguments (``locals()``), picked by name."""
+        names = {field.name for field in attrs.fields(cls)}
+        return cls(**{name: value for name, value in arguments.items() if name in names})

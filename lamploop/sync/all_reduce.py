@@ -1,0 +1,77 @@
+"""``all_reduce``: every rank gets the summed gradients and steps its own optimizer replica.
+
+Communication is bucketed and overlapped with the step's last backward
+(:class:`~lamploop.sync.buckets.BucketedReduction`), as in DistributedDataParallel.
+Every rank needs an optimizer; they stay identical because they start from the root's
+state and see the same gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from lamploop.sync.buckets import BucketedReduction
+from lamploop.sync.collectives import Collectives
+from lamploop.sync.strategy import GradientSync
+
+__all__ = ["AllReduce", "AllReduceSync"]
+
+
+class AllReduceSync:
+    """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`AllReduce`."""
+
+    def __init__(
+        self, collectives: Collectives, parameters: Sequence[torch.nn.Parameter], *, bucket_cap_mb: float
+    ) -> None:
+        self._buckets = BucketedReduction(
+            collectives,
+            parameters,
+            launch=collectives.all_reduce,
+            keeps_result=True,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+
+    def begin_pass(self) -> None:
+        self._buckets.clear()
+
+    def last_backward(self) -> None:
+        self._buckets.arm()
+
+    def reduce(self, scale: float) -> None:
+        self._buckets.reduce(scale)
+
+    def after_step(self) -> None:
+        self._buckets.clear()
+
+    def end_pass(self) -> None:
+        """Nothing stays in flight after :meth:`reduce`."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Stateless: nothing to restore."""
+
+    def close(self, *, abandon: bool) -> None:
+        self._buckets.close()
+
+
+@attrs.frozen
+class AllReduce:
+    """The ``all_reduce`` strategy (registered by :mod:`lamploop.sync`)."""
+
+    name: str = "all_reduce"
+    steps_on_every_rank: bool = True
+
+    def gradient_sync(
+        self,
+        collectives: Collectives,
+        parameters: Sequence[torch.nn.Parameter],
+        modules: Sequence[torch.nn.Module],
+        *,
+        bucket_cap_mb: float,
+    ) -> GradientSync:
+        return AllReduceSync(collectives, parameters, bucket_cap_mb=bucket_cap_mb)

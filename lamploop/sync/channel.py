@@ -1,0 +1,109 @@
+"""The tensor channel: how the ranks that train together combine gradients and statistics.
+
+:func:`lamploop.one_epoch` talks to other ranks only through a :class:`TensorChannel`, so
+the same epoch code serves one process (:class:`SingleProcessChannel`) and many
+(:class:`~lamploop.sync.group_channel.ProcessGroupChannel`, over a ``torch.distributed``
+process group).  The gradient contract is :class:`~lamploop.sync.strategy.GradientSync`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from lamploop.sync.strategy import GradientSync
+
+__all__ = ["PendingSum", "SingleProcessChannel", "TensorChannel"]
+
+
+class PendingSum(Protocol):
+    """A sum over ranks in flight."""
+
+    def wait(self) -> list[float]:
+        """Block until the sum is known and return it."""
+        ...
+
+
+class _KnownSum:
+    def __init__(self, values: Sequence[float]) -> None:
+        self._values = [float(v) for v in values]
+
+    def wait(self) -> list[float]:
+        return self._values
+
+
+class TensorChannel(Protocol):
+    """What one epoch needs from the ranks that train together."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def nranks(self) -> int: ...
+
+    def gradient_sync(self, module: torch.nn.Module) -> GradientSync:
+        """The gradient sync of ``module``'s parameters (the same object for the same module)."""
+        ...
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum small float vectors over all ranks (float64, blocking)."""
+        ...
+
+    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
+        """Start summing ``values`` over all ranks; ``.wait()`` gives the sums."""
+        ...
+
+
+class _LocalGradients:
+    """One rank: gradients are complete after backward; only the scale is applied."""
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        self._parameters = [p for p in parameters if p.requires_grad]
+
+    def begin_pass(self) -> None:
+        for p in self._parameters:
+            p.grad = None
+
+    def last_backward(self) -> None:
+        """Nothing to start."""
+
+    def reduce(self, scale: float) -> None:
+        if scale != 1.0:
+            grads = [p.grad for p in self._parameters if p.grad is not None]
+            torch._foreach_mul_(grads, scale)
+
+    def after_step(self) -> None:
+        self.begin_pass()
+
+    def end_pass(self) -> None:
+        """Nothing in flight."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Stateless."""
+
+    def close(self, *, abandon: bool) -> None:
+        """No hooks to remove."""
+
+
+class SingleProcessChannel:
+    """The trivial channel of a run with one rank."""
+
+    rank = 0
+    nranks = 1
+
+    def gradient_sync(self, module: torch.nn.Module) -> GradientSync:
+        """Gradients need no reduction; ``reduce`` only rescales them."""
+        return _LocalGradients(list(module.parameters()))
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """The sum over one rank is the values themselves."""
+        return [float(v) for v in values]
+
+    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
+        """Already known: the values themselves."""
+        return _KnownSum(values)

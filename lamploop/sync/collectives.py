@@ -1,0 +1,191 @@
+"""Collectives over one process group, every wait bounded and abortable.
+
+A Gloo wait cannot be interrupted from outside (``abort()`` does not wake a thread
+already inside ``wait()``), so :meth:`Collectives.wait` never blocks for long: it waits
+in slices of :data:`POLL_S` and between slices checks an :class:`AbortSignal`.  The
+training drivers set that signal when the control channel finds a rank dead, frozen or cut
+off; the waiting thread then raises :class:`WaitAborted` within a slice instead of hanging
+until the collective timeout.  On NCCL the communicator is also aborted, which unblocks
+the device side.
+
+Everything here runs on the thread that trains (a worker thread in a multi-rank run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Final, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from lamploop.errors import DistributedError
+
+__all__ = ["POLL_S", "AbortSignal", "Collectives", "Group", "WaitAborted", "Work"]
+
+Group: TypeAlias = Any
+"""A process-group backend object (``ProcessGroupGloo`` or ``ProcessGroupNCCL``): their
+common base is private and the CPU build of torch lacks the NCCL class."""
+Work: TypeAlias = Any
+"""A collective in flight (``torch.distributed.Work``)."""
+
+POLL_S: Final = 0.1
+"""The slice of a wait between two looks at the abort signal."""
+_SLICE: Final = datetime.timedelta(seconds=POLL_S)
+
+
+class WaitAborted(DistributedError):
+    """A wait was given up because the run failed elsewhere (see :class:`AbortSignal`)."""
+
+
+class AbortSignal:
+    """Set once, from any thread, when the run has failed and waits must end."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        """Abort every wait that looks at this signal (the first reason is kept)."""
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+class Collectives:
+    """The collectives lamploop uses, over one process group of ``nranks`` ranks.
+
+    Args:
+        group: the process group object.
+        rank, nranks: this rank and the world size.
+        device: where this rank trains; small statistics travel on it when it is a CUDA
+            device (NCCL), else on the CPU.
+        timeout: seconds after which a wait whose peers never arrive fails.
+        abort: checked between slices of every wait.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        *,
+        rank: int,
+        nranks: int,
+        device: torch.device,
+        timeout: float,
+        abort: AbortSignal | None = None,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.nranks = nranks
+        self.device = device
+        self.timeout = timeout
+        self.abort = abort if abort is not None else AbortSignal()
+        self.stats_device = device if device.type == "cuda" else torch.device("cpu")
+
+    def all_reduce(self, tensors: list[torch.Tensor]) -> Work:
+        """Start summing ``tensors`` in place over all ranks."""
+        return self.group.allreduce(tensors)
+
+    def reduce_to_root(self, tensors: list[torch.Tensor]) -> Work:
+        """Start summing ``tensors`` into rank 0's."""
+        options = dist.ReduceOptions()  # the default reduction is a sum
+        options.rootRank = 0
+        return self.group.reduce(tensors, options)
+
+    def broadcast_from_root(self, tensors: list[torch.Tensor]) -> Work:
+        """Start overwriting ``tensors`` on every rank with rank 0's."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.group.broadcast(tensors, options)
+
+    def wait(self, work: Work, what: str) -> None:
+        """Wait for ``work``; bounded by the timeout and ended early by the abort signal.
+
+        Raises:
+            WaitAborted: the abort signal was set.
+            DistributedError: the collective failed (a peer died) or outlasted the timeout.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.abort.is_set():
+                self._abort_backend()
+                msg = f"rank {self.rank}: gave up waiting for the {what}: {self.abort.reason}"
+                raise WaitAborted(msg)
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if work.is_completed() or "timed out" not in str(exc):
+                    msg = f"rank {self.rank}: the {what} failed (a peer died?): {exc}"
+                    raise DistributedError(msg) from exc
+            if time.monotonic() > deadline:
+                msg = (
+                    f"rank {self.rank}: the {what} did not complete within {self.timeout:g} s "
+                    "(collective_timeout) although every rank is alive: do the ranks run the same steps?"
+                )
+                raise DistributedError(msg)
+
+    def _abort_backend(self) -> None:
+        """NCCL can abort its communicator (unblocking the device); Gloo has nothing to abort."""
+        abort = getattr(self.group, "abort", None)
+        if self.device.type == "cuda" and callable(abort):
+            try:
+                abort()
+            except RuntimeError:  # already aborted or torn down: nothing left to unblock
+                return
+
+    def sum(self, values: Sequence[float]) -> Pending:
+        """Start summing a small float vector over all ranks (float64)."""
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.stats_device)
+        return Pending(self, self.all_reduce([tensor]), tensor)
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Overwrite ``tensors`` on every rank with rank 0's (same shapes everywhere), blocking."""
+        for t in tensors:
+            staging = t.detach().to(self.device).contiguous()
+            self.wait(self.broadcast_from_root([staging]), what)
+            with torch.no_grad():
+                t.copy_(staging)
+
+    def broadcast_json(self, value: Any, what: str) -> Any:
+        """Rank 0's JSON-ready ``value`` on every rank (bytes over the group, no pickle)."""
+        payload = json.dumps(value).encode() if self.rank == 0 else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.stats_device)
+        self.wait(self.broadcast_from_root([length]), f"length of the {what}")
+        buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.stats_device)
+        if self.rank == 0:
+            buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.wait(self.broadcast_from_root([buffer]), what)
+        return json.loads(bytes(buffer.cpu().tolist()).decode())
+
+    def check_agreement(self, label: str, value: str) -> None:
+        """Raise DistributedError on every rank if the ranks hold different ``value`` for ``label``."""
+        root_value = self.broadcast_json([value], f"root's {label}")[0]
+        agreeing = int(self.sum([float(value == root_value)]).wait()[0])
+        if agreeing != self.nranks:
+            mismatch = "" if value == root_value else f"; rank {self.rank} has {value!r}"
+            msg = (
+                f"the ranks disagree on {label}: {self.nranks - agreeing} of {self.nranks} differ "
+                f"from rank 0's {root_value!r}{mismatch}"
+            )
+            raise DistributedError(msg)
+
+
+class Pending:
+    """A sum over ranks in flight; :meth:`wait` gives it."""
+
+    def __init__(self, collectives: Collectives, work: Work, values: torch.Tensor) -> None:
+        self._collectives = collectives
+        self._work = work
+        self._values = values
+
+    def wait(self) -> list[float]:
+        self._collectives.wait(self._work, "sum of losses and example counts")
+        return [float(v) for v in self._values.tolist()]

@@ -1,0 +1,158 @@
+"""The gradient-sync strategy interface, and the registry that names strategies.
+
+:func:`lamploop.one_epoch` knows a strategy only through :class:`GradientSync`, the
+object it makes for one model on one rank.  A training pass drives it like this, on
+every rank alike::
+
+    sync.begin_pass()
+    for each step:
+        for each of the step's batches:
+            if it is the last: sync.last_backward()
+            backward of (loss_sum / expected)
+        sync.reduce(expected / global example count)
+        optimizer step                # every rank, or only the root (steps_on_every_rank)
+        sync.after_step()
+    sync.end_pass()
+
+A :class:`SyncStrategy` makes such objects from the :class:`~lamploop.sync.collectives.Collectives`
+of a process group.  Strategies are registered by name (:func:`register_strategy`), so
+that a new one is one new module: ``all_reduce`` and ``reduce_to_root`` are registered by
+:mod:`lamploop.sync` itself, and the name travels in :class:`~lamploop.settings.TrainingSettings`.
+
+.. versionadded:: 0.2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lamploop.errors import ConfigurationError
+from lamploop.sync.collectives import Collectives
+
+__all__ = [
+    "AUTO",
+    "GradientSync",
+    "SyncStrategy",
+    "check_strategy_name",
+    "register_strategy",
+    "strategy_named",
+    "strategy_names",
+]
+
+AUTO = "auto"
+"""Not a strategy but a choice: ``all_reduce`` when every rank has an optimizer, else ``reduce_to_root``."""
+
+
+@runtime_checkable
+class GradientSync(Protocol):
+    """One model's gradient sync on one rank, reused step after step (see the module doc).
+
+    The gradient contract: before :meth:`reduce` each rank's ``.grad`` holds the sum of its
+    batches' gradients of ``loss_sum / expected``; after ``reduce(scale)`` every rank that
+    steps holds the sum over ranks times ``scale`` (the gradient of the step's mean loss).
+    """
+
+    def begin_pass(self) -> None:
+        """A training pass starts: clear gradients left from before."""
+        ...
+
+    def last_backward(self) -> None:
+        """The next backward is the step's last: communication may start as gradients arrive."""
+        ...
+
+    def reduce(self, scale: float) -> None:
+        """Complete the reduction and multiply the reduced gradients by ``scale``."""
+        ...
+
+    def after_step(self) -> None:
+        """After the optimizer step: clear gradients, share parameters if the strategy needs it."""
+        ...
+
+    def end_pass(self) -> None:
+        """The training pass ends: wait until nothing is in flight."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What the strategy keeps from step to step (e.g. error feedback), to checkpoint."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`'s tensors."""
+        ...
+
+    def close(self, *, abandon: bool) -> None:
+        """Remove hooks; with ``abandon`` (the run failed) wait for nothing in flight."""
+        ...
+
+
+@runtime_checkable
+class SyncStrategy(Protocol):
+    """Makes the :class:`GradientSync` of a model on one rank.
+
+    Attributes:
+        name: the name it is registered under.
+        steps_on_every_rank: ``True`` when every rank steps its own optimizer (which
+            followers then need), ``False`` when only the root steps and shares parameters.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def steps_on_every_rank(self) -> bool: ...
+
+    def gradient_sync(
+        self,
+        collectives: Collectives,
+        parameters: Sequence[torch.nn.Parameter],
+        modules: Sequence[torch.nn.Module],
+        *,
+        bucket_cap_mb: float,
+    ) -> GradientSync:
+        """The sync of ``parameters`` (of ``modules``, for hooks) over ``collectives``."""
+        ...
+
+
+_REGISTRY: dict[str, SyncStrategy] = {}
+
+
+def register_strategy(strategy: SyncStrategy, *, replace: bool = False) -> None:
+    """Make ``strategy`` available under ``strategy.name``.
+
+    Raises:
+        ConfigurationError: the name is ``"auto"`` or already taken (unless ``replace``),
+            or ``strategy`` lacks the :class:`SyncStrategy` members.
+    """
+    if not isinstance(strategy, SyncStrategy):
+        msg = f"register_strategy: {strategy!r} lacks name, steps_on_every_rank or gradient_sync()"
+        raise ConfigurationError(msg)
+    name = strategy.name
+    if name == AUTO or (name in _REGISTRY and not replace):
+        msg = f"register_strategy: the name {name!r} is taken; pass replace=True to replace it"
+        raise ConfigurationError(msg)
+    _REGISTRY[name] = strategy
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The registered strategies' names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def check_strategy_name(name: object) -> str:
+    """``name`` if it is ``"auto"`` or registered, else ConfigurationError listing the choices."""
+    if name != AUTO and (not isinstance(name, str) or name not in _REGISTRY):
+        msg = f"strategy must be 'auto' or one of {strategy_names()}, got {name!r}"
+        raise ConfigurationError(msg)
+    return str(name)
+
+
+def strategy_named(name: str) -> SyncStrategy:
+    """The registered strategy called ``name`` (``"auto"`` is resolved by the drivers first)."""
+    check_strategy_name(name)
+    if name == AUTO:
+        msg = "strategy 'auto' is resolved when the ranks meet; ask for a concrete name"
+        raise ConfigurationError(msg)
+    return _REGISTRY[name]

@@ -1,4 +1,10 @@
-"""The ``lamploop`` command."""
+"""The ``lamploop`` command.
+
+Exit statuses: 0 done; 1 training failed (one line on stderr says why: a lost rank, a bad
+batch, a corrupt checkpoint...); 2 bad command-line arguments; 130 interrupted (Ctrl-C).
+A failed distributed run exits with its status at once, also when a collective is stuck
+(see :mod:`lamploop.distributed.abandon`).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,22 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["main"]
+from lamploop.errors import LamploopError
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lamploop import __version__
+
     parser = argparse.ArgumentParser(
         prog="lamploop", description="Training loops as plain data and functions."
     )
+    parser.add_argument("--version", action="version", version=f"lamploop {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits and leave checkpoints")
     demo.add_argument("--epochs", type=int, default=30, help="epochs in all (default: 30)")
@@ -29,22 +44,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (see the module doc)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    if args.command == "demo":
-        from lamploop.demo import run_demo
+    try:
+        if args.command == "demo":
+            from lamploop.demo import run_demo
 
-        run_demo(
-            epochs=args.epochs,
-            out=args.out,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            world_size=args.world_size,
-        )
-    return 0
+            run_demo(
+                epochs=args.epochs,
+                out=args.out,
+                batch_size=args.batch_size,
+                seed=args.seed,
+                world_size=args.world_size,
+            )
+    except LamploopError as exc:
+        print(f"lamploop: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("lamploop: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

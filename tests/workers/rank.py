@@ -183,16 +183,41 @@ def make_schedule(schedule: dict[str, Any]) -> lamploop.LearningRateSchedule[Any
     raise ValueError(msg)
 
 
+def busy(seconds: float) -> None:
+    """Keep this thread's CPU busy for ``seconds`` (torch compute, as a training step would)."""
+    deadline = time.monotonic() + seconds
+    a = torch.randn(64, 64)
+    while time.monotonic() < deadline:
+        a = torch.tanh(a @ a)
+
+
 def stream_factory(
-    make: Callable[[int, int], list[Batch]], *, batch_sleep: float = 0.0
+    make: Callable[[int, int], list[Batch]],
+    *,
+    batch_sleep: float = 0.0,
+    batch_busy: float = 0.0,
+    slow_batch: dict[str, Any] | None = None,
 ) -> BatchStreamFactory:
-    """A batch-stream factory over ``make(epoch, rank)``; optionally sleeping (async) between batches."""
+    """A batch-stream factory over ``make(epoch, rank)``.
+
+    Optionally it sleeps (async) or computes (blocking the training thread, as a long step
+    does) before each batch, and blocks once for ``slow_batch["seconds"]`` before batch
+    ``slow_batch["batch"]`` of epoch ``slow_batch["epoch"]`` on rank ``slow_batch["rank"]``.
+    """
 
     def factory(context: BatchContext) -> AsyncIterator[Batch]:
         async def stream() -> AsyncIterator[Batch]:
-            for batch in make(context.epoch, context.rank):
+            for i, batch in enumerate(make(context.epoch, context.rank)):
                 if batch_sleep:
                     await anyio.sleep(batch_sleep)
+                if batch_busy:
+                    busy(batch_busy)
+                if slow_batch is not None and (context.epoch, context.rank, i) == (
+                    slow_batch["epoch"],
+                    slow_batch["rank"],
+                    slow_batch["batch"],
+                ):
+                    time.sleep(slow_batch["seconds"])  # noqa: ASYNC251 (blocks the training thread on purpose)
                 yield batch
 
         return stream()
@@ -246,6 +271,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         "type": type(first).__name__,
         "mro": [c.__name__ for c in type(first).__mro__],
         "message": str(first),
+        "rank": getattr(first, "rank", None),
+        "how": getattr(first, "how", None),
         "all": [f"{type(e).__name__}: {e}" for e in leaves],
     }
 
@@ -255,9 +282,13 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
 
 def _common(run: dict[str, Any]) -> dict[str, Any]:
     data, dtype = run["data"], DTYPES[run["model"].get("dtype", "float64")]
-    sleep = run.get("batch_sleep", 0.0)
+    pace = {
+        "batch_sleep": run.get("batch_sleep", 0.0),
+        "batch_busy": run.get("batch_busy", 0.0),
+        "slow_batch": run.get("slow_batch"),
+    }
     return {
-        "train_batches": stream_factory(lambda e, r: train_batches_of(data, e, r, dtype), batch_sleep=sleep),
+        "train_batches": stream_factory(lambda e, r: train_batches_of(data, e, r, dtype), **pace),
         "validation_batches": stream_factory(lambda e, r: valid_batches_of(data, e, r, dtype)),
         "accumulate_gradient_over_n_batches": run.get("k", 1),
         "strategy": run.get("strategy", "reduce_to_root"),
@@ -328,6 +359,8 @@ async def run_follower(run: dict[str, Any], wd: Path, rank: int) -> dict[str, An
     nranks = len(run["members"])
     module = make_module(run["model"], rank)
     ready = await wait_for_json(wd / "ready.json", READY_TIMEOUT_S, workdir=wd.parent)
+    if rank in run.get("via_proxy", []):  # the test relays this rank's control connection
+        ready = await wait_for_json(wd / f"proxy{rank}.json", READY_TIMEOUT_S, workdir=wd.parent)
     strategy = run.get("strategy", "reduce_to_root")
     async with TcpControlFollower(
         host=HOST,

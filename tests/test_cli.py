@@ -1,0 +1,63 @@
+"""The ``lamploop`` command: exit statuses and what a person sees on stderr."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lamploop
+from lamploop.cli import EXIT_FAILED, EXIT_INTERRUPTED
+
+pytestmark = pytest.mark.timeout(120)
+
+COMMAND = [sys.executable, "-m", "lamploop.cli"]
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, text=True, timeout=90, check=False)
+
+
+def test_version(tmp_path: Path) -> None:
+    result = _run(["--version"], tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"lamploop {lamploop.__version__}"
+
+
+def test_a_failed_run_is_one_line_on_stderr_and_status_1(tmp_path: Path) -> None:
+    result = _run(["demo", "--world-size", "0", "--epochs", "1", "--out", str(tmp_path / "runs")], tmp_path)
+    assert result.returncode == EXIT_FAILED, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["lamploop: ConfigurationError: fit: world_size must be None or an int >= 1, got 0"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [*COMMAND, "demo", "--epochs", "500", "--out", str(out)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, which Ctrl-C in a terminal signals
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "latest").exists():  # training is under way on both ranks
+            assert proc.poll() is None, proc.stderr
+            assert time.monotonic() < deadline, "no checkpoint within 90 s"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err.strip().splitlines() == ["lamploop: interrupted"], err

@@ -85,17 +85,11 @@ class Replica:
         if self.optimizer is not None:
             set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
             step = self.optimizer.step
-        return await self.run_epoch(
-            functools.partial(
-                one_epoch,
-                model=self.model,
-                batches=self.train_batches(self._context(epoch)),
-                channel=self.channel,
-                step_optimizer=step,
-                accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
-                device=self.device,
-                epoch=epoch,
-            )
+        return await self._run(
+            self.train_batches,
+            epoch,
+            step_optimizer=step,
+            accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
         )
 
     async def validate(self, epoch: int) -> float:
@@ -103,15 +97,18 @@ class Replica:
         if self.validation_batches is None:
             msg = f"rank {self.channel.rank}: asked to validate epoch {epoch} without validation_batches"
             raise RuntimeError(msg)
+        return await self._run(self.validation_batches, epoch, forward_only=True)
+
+    async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
         return await self.run_epoch(
             functools.partial(
                 one_epoch,
                 model=self.model,
-                batches=self.validation_batches(self._context(epoch)),
+                batches=batches(self._context(epoch)),
                 channel=self.channel,
-                forward_only=True,
                 device=self.device,
                 epoch=epoch,
+                **how,
             )
         )
 

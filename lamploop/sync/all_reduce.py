@@ -8,29 +8,39 @@ state and see the same gradients.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
 
 from lamploop.sync.buckets import BucketedReduction
-from lamploop.sync.collectives import Collectives
+from lamploop.sync.collectives import Collectives, Work
 from lamploop.sync.strategy import GradientSync
 
 __all__ = ["AllReduce", "AllReduceSync"]
 
 
 class AllReduceSync:
-    """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`AllReduce`."""
+    """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`AllReduce`.
+
+    Also the base of strategies that reduce in buckets with another collective
+    (``launch``), such as :class:`~lamploop.sync.reduce_to_root.ReduceToRootSync`.
+    """
 
     def __init__(
-        self, collectives: Collectives, parameters: Sequence[torch.nn.Parameter], *, bucket_cap_mb: float
+        self,
+        collectives: Collectives,
+        parameters: Sequence[torch.nn.Parameter],
+        *,
+        bucket_cap_mb: float,
+        launch: Callable[[list[torch.Tensor]], Work] | None = None,
+        keeps_result: bool = True,
     ) -> None:
         self._buckets = BucketedReduction(
             collectives,
             parameters,
-            launch=collectives.all_reduce,
-            keeps_result=True,
+            launch=launch if launch is not None else collectives.all_reduce,
+            keeps_result=keeps_result,
             bucket_cap_mb=bucket_cap_mb,
         )
 

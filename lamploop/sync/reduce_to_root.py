@@ -7,12 +7,13 @@ broadcast overlaps with the start of the next step.  Only the root holds optimiz
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
-from lamploop.sync.buckets import BucketedReduction, FlatBuckets, bucket_layout
+from lamploop.sync.all_reduce import AllReduceSync
+from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives, Work
 from lamploop.sync.strategy import GradientSync
 
@@ -69,7 +70,7 @@ class _ParameterBroadcast:
             handle.remove()
 
 
-class ReduceToRootSync:
+class ReduceToRootSync(AllReduceSync):
     """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`ReduceToRoot`."""
 
     def __init__(
@@ -80,40 +81,25 @@ class ReduceToRootSync:
         *,
         bucket_cap_mb: float,
     ) -> None:
-        self._buckets = BucketedReduction(
+        super().__init__(
             collectives,
             parameters,
+            bucket_cap_mb=bucket_cap_mb,
             launch=collectives.reduce_to_root,
             keeps_result=collectives.rank == 0,
-            bucket_cap_mb=bucket_cap_mb,
         )
         self._parameters = _ParameterBroadcast(collectives, self._buckets.params, modules, bucket_cap_mb)
 
-    def begin_pass(self) -> None:
-        self._buckets.clear()
-
-    def last_backward(self) -> None:
-        self._buckets.arm()
-
-    def reduce(self, scale: float) -> None:
-        self._buckets.reduce(scale)
-
     def after_step(self) -> None:
-        self._buckets.clear()
+        super().after_step()
         self._parameters.start()
 
     def end_pass(self) -> None:
         self._parameters.wait_all()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Stateless: nothing to restore."""
-
     def close(self, *, abandon: bool) -> None:
         self._parameters.close(abandon=abandon)
-        self._buckets.close()
+        super().close(abandon=abandon)
 
 
 @attrs.frozen

@@ -19,6 +19,7 @@ __all__ = [
     "LamploopError",
     "NonFiniteLossError",
     "PeerLostError",
+    "TrainingInterrupted",
 ]
 
 
@@ -75,3 +76,19 @@ class HandshakeError(ControlChannelError):
 
 class PeerLostError(ControlChannelError):
     """A joined peer went silent past the heartbeat timeout or disconnected."""
+
+
+class TrainingInterrupted(LamploopError):
+    """Training stopped on request (SIGTERM, SIGINT) at a step boundary, after writing a checkpoint.
+
+    Attributes:
+        epoch: the epoch that was in progress.
+        steps_done: the optimizer steps done in it.
+        reason: what asked for the stop (e.g. ``"SIGTERM"``).
+    """
+
+    def __init__(self, message: str, *, epoch: int, steps_done: int, reason: str) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.steps_done = steps_done
+        self.reason = reason

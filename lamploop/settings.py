@@ -96,6 +96,19 @@ def _positive_megabytes(_: object, attribute: attrs.Attribute[float], value: flo
         raise ConfigurationError(msg)
 
 
+def _optional_int_at_least(low: int) -> Any:
+    def check(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            check_int(attribute.name, value, low)
+
+    return check
+
+
+def _optional_seconds(_: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None:
+        check_seconds(attribute.name, value)
+
+
 def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not callable(getattr(value, "init", None)) or not callable(
         getattr(value, "learning_rate_factor", None)
@@ -148,6 +161,8 @@ class TrainingSettings:
     strategy: str = attrs.field(default="auto", validator=_strategy)
     bucket_cap_mb: float = attrs.field(default=DEFAULT_BUCKET_CAP_MB, validator=_positive_megabytes)
     collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, validator=_seconds)
+    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
 
     EVERY_RANK: ClassVar[tuple[str, ...]] = (
         "accumulate_gradient_over_n_batches",

@@ -21,18 +21,24 @@ What happens, in order:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Container, Iterable
+import threading
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 
 from lamploop.batches import BatchStreamFactory
+from lamploop.checkpoint import RngStates
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
+from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.process_group import create_store
 from lamploop.distributed.replica import RankPlan, Replica, learning_rates, open_replica
-from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
+from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
@@ -40,7 +46,7 @@ from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.sync.collectives import AbortSignal
 
-__all__ = ["OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
+__all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -75,6 +81,13 @@ def check_place(nranks: int, device: torch.device | str, where: str) -> torch.de
         raise ConfigurationError(msg) from None
 
 
+CheckpointPosition = Callable[
+    [LoopStateWithModelAndOptimizerData, Any, EpochPosition, Sequence[RngStates]], Awaitable[None]
+]
+"""Writes a step-boundary checkpoint: the state (its loop state at the epoch in progress), the
+schedule state that epoch was asked with, the position in it, and every rank's RNG states."""
+
+
 class _RootEpochs:
     """The effects :func:`lamploop.epochs` awaits on the root: tell, train, validate, keep the best."""
 
@@ -83,13 +96,31 @@ class _RootEpochs:
         replica: Replica,
         control: ControlRoot | None,
         checkpoint_state: Callable[[LoopStateWithModelAndOptimizerData, Any], Awaitable[None]] | None,
+        checkpoint_position: CheckpointPosition | None,
         init_state: LoopStateWithModelAndOptimizerData | None,
+        schedule_state: Any,
     ) -> None:
         self.replica = replica
         self.control = control
         self.checkpoint_state = checkpoint_state
-        self.next_epoch = init_state.loop_state.epoch if init_state is not None else 0
+        self.checkpoint_position = checkpoint_position
+        self.state = init_state.loop_state if init_state is not None else LoopState()
+        self.schedule_state = schedule_state  # what the epoch in progress was asked with
+        self.next_epoch = self.state.epoch
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
+
+    def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
+        optimizer = self.replica.optimizer
+        return LoopStateWithModelAndOptimizerData(
+            loop_state=state,
+            model=self.replica.model.module.state_dict(),
+            optimizer=optimizer.state_dict() if optimizer is not None else {},
+            best_model=self.best,
+        )
+
+    async def save_position(self, position: EpochPosition, rngs: Sequence[RngStates]) -> None:
+        if self.checkpoint_position is not None:
+            await self.checkpoint_position(self._data(self.state), self.schedule_state, position, rngs)
 
     async def tell(self, command: Train | Valid | Stop) -> None:
         if self.control is not None and self.replica.channel.nranks > 1:
@@ -97,7 +128,15 @@ class _RootEpochs:
 
     async def train(self, lr_factor: float) -> float:
         await self.tell(Train(epoch=self.next_epoch, lr_factor=lr_factor))
-        return await self.replica.train(self.next_epoch, lr_factor)
+        try:
+            return await self.replica.train(self.next_epoch, lr_factor)
+        except EpochStopped as stopped:
+            reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else "a request"
+            steps = stopped.progress.steps_done
+            msg = (
+                f"stopped by {reason} at epoch {self.next_epoch} after step {steps}; a checkpoint was written"
+            )
+            raise TrainingInterrupted(msg, epoch=self.next_epoch, steps_done=steps, reason=reason) from None
 
     async def validate(self) -> float:
         await self.tell(Valid(epoch=self.next_epoch))
@@ -107,16 +146,9 @@ class _RootEpochs:
         self.best = {k: v.detach().clone() for k, v in self.replica.model.module.state_dict().items()}
 
     async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
-        self.next_epoch = state.epoch
+        self.state, self.schedule_state, self.next_epoch = state, schedule_state, state.epoch
         if self.checkpoint_state is not None:
-            optimizer = self.replica.optimizer
-            data = LoopStateWithModelAndOptimizerData(
-                loop_state=state,
-                model=self.replica.model.module.state_dict(),
-                optimizer=optimizer.state_dict() if optimizer is not None else {},
-                best_model=self.best,
-            )
-            await self.checkpoint_state(data, schedule_state)
+            await self.checkpoint_state(self._data(state), schedule_state)
 
 
 async def drive_distributed_training(
@@ -141,6 +173,12 @@ async def drive_distributed_training(
     host: str = "127.0.0.1",
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    checkpoint_position: CheckpointPosition | None = None,
+    checkpoint_every_n_steps: int | None = None,
+    checkpoint_every_seconds: float | None = None,
+    init_position: EpochPosition | None = None,
+    init_rank_rngs: Sequence[RngStates] = (),
+    stop: StopRequest | None = None,
 ) -> LoopState:
     """Drive training on the root rank (rank 0); with ``nranks == 1``, train alone.
 
@@ -169,6 +207,15 @@ async def drive_distributed_training(
         bucket_cap_mb: gradient bucket size.
         collective_timeout: seconds before a collective whose peers are all alive but never
             arrive fails (lost ranks are found by the control channel long before).
+        checkpoint_position: writes a checkpoint at a step boundary inside an epoch (e.g.
+            :meth:`lamploop.checkpoint.Checkpointer.save_position`): when ``stop`` is
+            requested, and every ``checkpoint_every_n_steps`` steps or
+            ``checkpoint_every_seconds`` seconds.
+        init_position, init_rank_rngs: resume at this step boundary of ``init_state``'s
+            epoch, with these RNG states of every rank (from a step-boundary checkpoint).
+        stop: set it (e.g. from a signal handler) to stop at the next step boundary: a
+            checkpoint is written there, the followers are stopped, and
+            :class:`~lamploop.errors.TrainingInterrupted` is raised.
 
     The other arguments are those of :func:`lamploop.epochs`.
 
@@ -179,6 +226,7 @@ async def drive_distributed_training(
         ConfigurationError: bad arguments.
         DistributedError: the tensor channel failed or the ranks disagree.
         ControlChannelError: the control channel failed; :class:`PeerLostError` names a lost rank.
+        TrainingInterrupted: ``stop`` was requested; the checkpoint of the boundary is written.
     """
     settings = TrainingSettings.from_arguments(locals())
     torch_device = check_place(nranks, device, "drive_distributed_training")
@@ -207,6 +255,15 @@ async def drive_distributed_training(
             await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
         return store
 
+    roots: list[_RootEpochs] = []  # the root's effects, once its replica exists
+    loop_thread, loop_token = threading.get_ident(), anyio.lowlevel.current_token()
+
+    async def save(position: EpochPosition, rngs: Sequence[RngStates]) -> None:
+        if threading.get_ident() == loop_thread:  # one rank: the epoch runs on the event loop
+            await roots[0].save_position(position, rngs)
+        else:  # a worker thread: write on the event loop, and wait for it there
+            anyio.from_thread.run(roots[0].save_position, position, rngs, token=loop_token)
+
     plan = RankPlan(
         rank=0,
         nranks=nranks,
@@ -217,9 +274,20 @@ async def drive_distributed_training(
         train_batches=train_batches,
         validation_batches=validation_batches,
         settings=settings,
+        stop=stop if stop is not None else StopRequest(),
+        save=save if checkpoint_position is not None else None,
+        resume=(init_position, init_rank_rngs) if init_position is not None else None,
+    )
+    schedule_state = (
+        learning_rate_schedule_init_state
+        if learning_rate_schedule_init_state is not None
+        else settings.learning_rate_schedule.init()
     )
     async with open_replica(plan, connect, AbortSignal()) as replica:
-        root = _RootEpochs(replica, control, checkpoint_state, init_state)
+        root = _RootEpochs(
+            replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state
+        )
+        roots.append(root)
         # On failure no Stop is sent: leaving the control channel without it aborts the
         # followers with the root's reason instead of ending them as if all went well.
         run = epochs(
@@ -232,10 +300,14 @@ async def drive_distributed_training(
             return_min_validation_loss_model=settings.return_min_validation_loss_model,
             learning_rate_schedule=settings.learning_rate_schedule,
             init_state=init_state.loop_state if init_state is not None else None,
-            learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+            learning_rate_schedule_init_state=schedule_state,
             validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
         )
-        state = await named_peer_failures(run, control, nranks)
+        try:
+            state = await named_peer_failures(run, control, nranks)
+        except TrainingInterrupted as stopped:
+            await root.tell(Stop(reason=str(stopped)))
+            raise
         await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
     if root.best:
         module.load_state_dict(root.best)

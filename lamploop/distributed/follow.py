@@ -10,10 +10,12 @@ import torch
 
 from lamploop.batches import BatchStreamFactory
 from lamploop.control.commands import ControlFollower, Train, Valid
+from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.errors import ConfigurationError
+from lamploop.loop.boundary import EpochStopped
 from lamploop.model import SupervisedModel
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.sync.collectives import AbortSignal
@@ -36,6 +38,7 @@ async def follow_distributed_training(
     strategy: str = "auto",
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    stop: StopRequest | None = None,
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -51,6 +54,8 @@ async def follow_distributed_training(
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
         strategy: must equal the root's (see :func:`drive_distributed_training`).
+        stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
+            next step boundary; the root writes a checkpoint there and ends the run.
 
     Raises:
         ConfigurationError: bad arguments.
@@ -93,13 +98,18 @@ async def follow_distributed_training(
         train_batches=train_batches,
         validation_batches=validation_batches,
         settings=settings,
+        stop=stop if stop is not None else StopRequest(),
     )
     async with open_replica(plan, connect, AbortSignal()) as replica:
 
         async def obey() -> None:
             async for command in commands:
                 if isinstance(command, Train):
-                    await replica.train(command.epoch, command.lr_factor)
+                    try:
+                        await replica.train(command.epoch, command.lr_factor)
+                    except EpochStopped:
+                        continue  # the root checkpoints and sends Stop
+
                 elif isinstance(command, Valid):
                     if validation_batches is None:
                         msg = (

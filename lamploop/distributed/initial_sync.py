@@ -11,16 +11,21 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
+import attrs
 import torch
 
+from lamploop.checkpoint import RngStates
+from lamploop.distributed.boundaries import rng_from_json, rng_to_json
 from lamploop.errors import DistributedError
+from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
 from lamploop.optimizer_state import decode_tree, encode_tree
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import AUTO, SyncStrategy, strategy_named
 
-__all__ = ["initial_sync"]
+__all__ = ["initial_sync", "share_resume_point"]
 
 logger = logging.getLogger("lamploop")
 
@@ -87,3 +92,31 @@ def initial_sync(
         raise DistributedError(msg)
     _broadcast_optimizer_state(collectives, optimizer)
     return strategy, optimizer
+
+
+def share_resume_point(
+    collectives: Collectives, resume: tuple[EpochPosition, Sequence[RngStates]] | None
+) -> EpochPosition | None:
+    """The root's step boundary to resume at, on every rank; each rank restores its RNG states there."""
+    payload = None
+    if collectives.rank == 0 and resume is not None:
+        position, rngs = resume
+        payload = {"position": attrs.asdict(position), "rngs": [rng_to_json(rng) for rng in rngs]}
+    shared = collectives.broadcast_json(payload, "resume point")
+    if shared is None:
+        return None
+    raw = shared["position"]
+    position = EpochPosition(
+        epoch=int(raw["epoch"]),
+        lr_factor=float(raw["lr_factor"]),
+        steps_done=int(raw["steps_done"]),
+        last_step_examples=int(raw["last_step_examples"]),
+        loss_sums=tuple(float(v) for v in raw["loss_sums"]),
+        example_counts=tuple(int(v) for v in raw["example_counts"]),
+    )
+    if len(shared["rngs"]) != collectives.nranks:
+        saved = len(shared["rngs"])
+        msg = f"the checkpoint holds the RNG states of {saved} ranks, this run has {collectives.nranks}"
+        raise DistributedError(msg)
+    rng_from_json(shared["rngs"][collectives.rank]).restore()
+    return position

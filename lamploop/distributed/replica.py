@@ -16,10 +16,13 @@ import attrs
 import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
+from lamploop.checkpoint import RngStates
 from lamploop.distributed.abandon import abandon
-from lamploop.distributed.initial_sync import initial_sync
+from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequest
+from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
+from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
@@ -75,21 +78,37 @@ class Replica:
     optimizer: torch.optim.Optimizer | None
     base_lrs: tuple[float, ...] = ()
     run_epoch: EpochRunner = run_here
+    boundary: RankBoundary | None = None
+    resume_at: EpochPosition | None = None
 
     def _context(self, epoch: int) -> BatchContext:
         return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)
 
     async def train(self, epoch: int, lr_factor: float) -> float:
-        """Train one epoch with the learning rates scaled by ``lr_factor``; the global mean loss."""
+        """Train one epoch with the learning rates scaled by ``lr_factor``; the global mean loss.
+
+        The first epoch after resuming from a step boundary starts at that boundary.
+
+        Raises:
+            EpochStopped: the ranks stopped at a step boundary on request.
+        """
         step: Callable[[], object] = _no_step
         if self.optimizer is not None:
             set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
             step = self.optimizer.step
+        start = None
+        if self.resume_at is not None and self.resume_at.epoch == epoch:
+            start = self.resume_at.start_of(self.channel.rank)
+        self.resume_at = None
+        if self.boundary is not None:
+            self.boundary.epoch, self.boundary.lr_factor = epoch, lr_factor
         return await self._run(
             self.train_batches,
             epoch,
             step_optimizer=step,
             accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
+            start=start,
+            boundary=self.boundary,
         )
 
     async def validate(self, epoch: int) -> float:
@@ -136,6 +155,42 @@ class RankPlan:
     train_batches: BatchStreamFactory
     validation_batches: BatchStreamFactory | None
     settings: TrainingSettings
+    stop: StopRequest = attrs.field(factory=StopRequest)
+    save: SavePosition | None = None
+    resume: tuple[EpochPosition, Sequence[RngStates]] | None = None
+
+    def replica(
+        self,
+        channel: TensorChannel,
+        optimizer: torch.optim.Optimizer | None,
+        runner: EpochRunner,
+        boundary: RankBoundary,
+        resume_at: EpochPosition | None,
+    ) -> Replica:
+        """The replica of this plan on ``channel``."""
+        return Replica(
+            model=self.model,
+            channel=channel,
+            train_batches=self.train_batches,
+            validation_batches=self.validation_batches,
+            settings=self.settings,
+            device=self.device,
+            optimizer=optimizer,
+            base_lrs=self.base_lrs,
+            run_epoch=runner,
+            boundary=boundary,
+            resume_at=resume_at,
+        )
+
+
+def _boundary(plan: RankPlan, collectives: Collectives | None) -> RankBoundary:
+    return RankBoundary(
+        collectives,
+        plan.stop,
+        save=plan.save,
+        every_steps=plan.settings.checkpoint_every_n_steps,
+        every_seconds=plan.settings.checkpoint_every_seconds,
+    )
 
 
 @asynccontextmanager
@@ -148,28 +203,16 @@ async def open_replica(
     ``abort`` ends the rank's collective waits when the run fails elsewhere.
     """
     settings = plan.settings
-
-    def replica(
-        channel: TensorChannel, optimizer: torch.optim.Optimizer | None, runner: EpochRunner
-    ) -> Replica:
-        return Replica(
-            model=plan.model,
-            channel=channel,
-            train_batches=plan.train_batches,
-            validation_batches=plan.validation_batches,
-            settings=settings,
-            device=plan.device,
-            optimizer=optimizer,
-            base_lrs=plan.base_lrs,
-            run_epoch=runner,
-        )
-
     if plan.nranks == 1:
-        yield replica(SingleProcessChannel(), plan.optimizer, run_here)
+        resume_at = None
+        if plan.resume is not None:
+            resume_at, rngs = plan.resume
+            rngs[0].restore()
+        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, _boundary(plan, None), resume_at)
         return
     store = await connect()
 
-    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None]:
+    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None]:
         group = new_process_group(
             store,
             rank=plan.rank,
@@ -187,13 +230,17 @@ async def open_replica(
             abort=abort,
         )
         strategy, optimizer = initial_sync(collectives, plan.model.module, plan.optimizer, settings.strategy)
-        return ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb), optimizer
+        resume_at = share_resume_point(collectives, plan.resume)
+        channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
+        return channel, optimizer, resume_at
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
-    channel, optimizer = await run_on_worker(join, abort)
+    channel, optimizer, resume_at = await run_on_worker(join, abort)
     failed = True
     try:
-        yield replica(channel, optimizer, worker_runner(abort))
+        yield plan.replica(
+            channel, optimizer, worker_runner(abort), _boundary(plan, channel.collectives), resume_at
+        )
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

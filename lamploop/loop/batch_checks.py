@@ -70,7 +70,10 @@ def _to_device(features: Any, device: torch.device) -> Any:
     return features
 
 
-def check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int) -> None:
+def check_finite(
+    losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int, *, first_index: int = 0
+) -> None:
+    """Raise NonFiniteLossError naming the first bad batch (``losses[0]`` is batch ``first_index``)."""
     if math.isfinite(total):
         return
     bad = (
@@ -79,8 +82,9 @@ def check_finite(losses: Sequence[torch.Tensor], total: float, epoch: int | None
         else []
     )
     if bad:
-        msg = f"{where(epoch, bad[0], rank)}: the loss is {float(losses[bad[0]])}"
-        raise NonFiniteLossError(msg, epoch=epoch, batch=bad[0])
+        index = first_index + bad[0]
+        msg = f"{where(epoch, index, rank)}: the loss is {float(losses[bad[0]])}"
+        raise NonFiniteLossError(msg, epoch=epoch, batch=index)
     place = "" if epoch is None else f" of epoch {epoch}"
     msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"
     raise NonFiniteLossError(msg, epoch=epoch, batch=None)

@@ -27,8 +27,10 @@ import torch
 from lamploop.batches import BatchStream
 from lamploop.errors import BatchError, ConfigurationError
 from lamploop.loop.batch_checks import check_finite, prepare
+from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.model import SupervisedModel
-from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
+from lamploop.sync.channel import KnownSum, PendingSum, SingleProcessChannel, TensorChannel
+from lamploop.sync.strategy import GradientSync
 
 __all__ = ["one_epoch"]
 
@@ -48,21 +50,14 @@ class _Yielder:
             await anyio.lowlevel.checkpoint()
 
 
-async def _epoch_totals(
-    channel: TensorChannel, losses: list[torch.Tensor], count: int
-) -> tuple[float, float]:
+async def _epoch_totals(channel: TensorChannel, values: list[float]) -> tuple[float, float]:
     """The loss sum and example count over all ranks."""
-    values = [_local_sum(losses), count]
     if channel.nranks == 1:
         total, global_count = channel.all_reduce_sum(values)
     else:
         # This waits for the slowest rank's whole epoch: keep the event loop (heartbeats) free.
         total, global_count = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
     return total, global_count
-
-
-def _local_sum(losses: list[torch.Tensor]) -> float:
-    return float(torch.stack(losses).sum()) if losses else 0.0
 
 
 class _Scales:
@@ -90,6 +85,8 @@ async def one_epoch(
     accumulate_gradient_over_n_batches: int = 1,
     device: torch.device | str | None = None,
     epoch: int | None = None,
+    start: EpochStart | None = None,
+    boundary: StepBoundary | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -104,12 +101,15 @@ async def one_epoch(
             rank; an epoch that ends mid-group still steps with what it has.
         device: move each batch there (non-blocking) before the forward pass.
         epoch: only used to say where an error happened.
+        start: resume a training pass at a step boundary (see :mod:`lamploop.loop.boundary`).
+        boundary: asked at every step boundary whether to checkpoint or stop.
 
     Raises:
         ConfigurationError: bad arguments.
         BatchError: an empty or malformed batch (says which epoch, batch and
             rank), or no rank had any batch.
         NonFiniteLossError: a loss was NaN or infinite (says which batch).
+        EpochStopped: the ranks stopped at a step boundary on request.
     """
     k = accumulate_gradient_over_n_batches
     if not isinstance(k, int) or k < 1:
@@ -123,7 +123,10 @@ async def one_epoch(
         msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
         raise ConfigurationError(msg)
     else:
-        total, count = await _training_pass(model, batches, channel, step_optimizer, k, target_device, epoch)
+        training = _TrainingPass(
+            model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary
+        )
+        total, count = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
@@ -151,77 +154,125 @@ async def _forward_pass(
             losses.append(loss_sum.detach())
             count += n
             await yield_now()
-    total, global_count = await _epoch_totals(channel, losses, count)
+    local = float(torch.stack(losses).sum()) if losses else 0.0
+    total, global_count = await _epoch_totals(channel, [local, count])
     check_finite(losses, total, epoch, rank)
     return total, global_count
 
 
-async def _training_pass(
-    model: SupervisedModel,
-    batches: BatchStream,
-    channel: TensorChannel,
-    step_optimizer: Callable[[], object],
-    k: int,
-    device: torch.device | None,
-    epoch: int | None,
-) -> tuple[float, float]:
-    module = model.module
-    module.train()
-    rank, single = channel.rank, channel.nranks == 1
-    sync = channel.gradient_sync(module)
-    sync.begin_pass()
-    losses: list[torch.Tensor] = []
-    count = 0
-    yield_now = _Yielder()
-    stream: AsyncIterator[Any] = aiter(batches)
-    upcoming = await anext(stream, None)
-    previous_global_count = 0
-    scales = _Scales()
-    while True:
-        group_count = 0
-        global_count = 0
-        pending: PendingSum | None = None
-        # Backprop loss / expected, expected being a guess of the step's global example
-        # count that every rank makes alike (also a rank with no batch left): finish()
-        # corrects by expected / actual, exactly 1 (no pass) when the guess holds.
-        expected = previous_global_count or 1
-        for position in range(k):
-            if upcoming is None:
+class _TrainingPass:
+    """One training pass of one rank; :meth:`run` is the loop of the module doc."""
+
+    def __init__(
+        self,
+        model: SupervisedModel,
+        channel: TensorChannel,
+        step_optimizer: Callable[[], object],
+        k: int,
+        device: torch.device | None,
+        epoch: int | None,
+        start: EpochStart,
+        boundary: StepBoundary | None,
+    ) -> None:
+        self.model, self.channel, self.step_optimizer, self.k = model, channel, step_optimizer, k
+        self.device, self.epoch, self.boundary = device, epoch, boundary
+        self.rank, self.single = channel.rank, channel.nranks == 1
+        self.losses: list[torch.Tensor] = []
+        self.first_index = start.steps_done * k
+        # A running float64 sum, added to in batch order: a pass resumed from a boundary
+        # continues it and ends with the same bits as an uninterrupted one.
+        self.loss_sum = torch.tensor(start.loss_sum, dtype=torch.float64, device=device)
+        self.count = start.example_count
+        self.steps_done = start.steps_done
+        self.previous_global_count = start.last_step_examples
+        self.scales = _Scales()
+        self.upcoming: Any = None
+
+    def _requests(self) -> list[float]:
+        if self.boundary is None:
+            return [0.0, 0.0]
+        return [float(flag) for flag in self.boundary.requests(self.steps_done)]
+
+    async def run(self, batches: BatchStream) -> tuple[float, float]:
+        sync = self.channel.gradient_sync(self.model.module)
+        self.model.module.train()
+        sync.begin_pass()
+        yield_now = _Yielder()
+        stream: AsyncIterator[Any] = aiter(batches)
+        for _ in range(self.first_index):  # the steps a resumed pass has done already
+            if await anext(stream, None) is None:
                 break
-            index = len(losses)
-            features, target = prepare(upcoming, device, epoch, index, rank)
-            upcoming = await anext(stream, None)
-            loss_sum, n = model.loss_sum_and_count(features, target)
-            if position == 0 and single:
-                expected = k * n  # one rank knows its step's count up front
-            losses.append(loss_sum.detach())
+        self.upcoming = await anext(stream, None)
+        while True:
+            expected, group_count, pending = await self._forward_backward(stream, sync)
+            if pending is None:  # one rank, or no batch left here: take part with zero examples
+                pending = self._sum([group_count, *self._requests()])
+            global_count, checkpoint, stop = (int(v) for v in pending.wait())
+            if global_count == 0:
+                break
+            self.count += group_count
+            self.previous_global_count = global_count
+            sync.reduce(expected / global_count)
+            self.step_optimizer()
+            sync.after_step()
+            self.steps_done += 1
+            if (checkpoint or stop) and self.boundary is not None:
+                await self._at_boundary(sync, stop=bool(stop))
+            await yield_now()
+        sync.end_pass()
+        total_loss, global_total = await _epoch_totals(self.channel, [float(self.loss_sum), self.count])
+        check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)
+        return total_loss, global_total
+
+    def _sum(self, values: list[float]) -> PendingSum:
+        return KnownSum(values) if self.single else self.channel.begin_all_reduce_sum(values)
+
+    async def _at_boundary(self, sync: GradientSync, *, stop: bool) -> None:
+        if self.boundary is None:
+            return
+        sync.end_pass()  # nothing in flight: every rank holds the step's parameters
+        progress = StepProgress(
+            steps_done=self.steps_done,
+            loss_sum=float(self.loss_sum),
+            example_count=self.count,
+            last_step_examples=self.previous_global_count,
+        )
+        await self.boundary.reached(progress, stop=stop)
+        if stop:
+            raise EpochStopped(progress)
+
+    async def _forward_backward(
+        self, stream: AsyncIterator[Any], sync: GradientSync
+    ) -> tuple[int, int, PendingSum | None]:
+        """Up to k batches: the step's guess of its global count, its local count, the sum in flight."""
+        # Backprop loss / expected, expected being a guess of the step's global example
+        # count that every rank makes alike (also a rank with no batch left): reduce()
+        # corrects by expected / actual, exactly 1 (no pass) when the guess holds.
+        expected = self.previous_global_count or 1
+        group_count = 0
+        pending: PendingSum | None = None
+        for position in range(self.k):
+            if self.upcoming is None:
+                break
+            index = self.first_index + len(self.losses)
+            features, target = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
+            self.upcoming = await anext(stream, None)
+            loss_sum, n = self.model.loss_sum_and_count(features, target)
+            if position == 0 and self.single:
+                expected = self.k * n  # one rank knows its step's count up front
+            detached = loss_sum.detach()
+            self.losses.append(detached)
+            self.loss_sum += detached
             group_count += n
-            if position == k - 1 or upcoming is None:
-                # Every rank starts the count before any gradient bucket, so the
-                # collectives pair up in the same order on all ranks.
-                pending = None if single else channel.begin_all_reduce_sum([group_count])
+            if not self.single and (position == self.k - 1 or self.upcoming is None):
+                # Every rank starts the count (with its requests) before any gradient
+                # bucket, so the collectives pair up in the same order on all ranks.
+                pending = self.channel.begin_all_reduce_sum([group_count, *self._requests()])
                 sync.last_backward()
             if expected == 1:
                 loss_sum.backward()
             else:
                 # Seeding backward with 1/expected gives the gradients of loss_sum / expected
                 # bit for bit, without a division node in the graph.
-                loss_sum.backward(scales.get(expected, loss_sum))
-        if single:
-            global_count = group_count
-        else:
-            if pending is None:  # no batch left here: take part with zero examples
-                pending = channel.begin_all_reduce_sum([group_count])
-            global_count = int(pending.wait()[0])
-        if global_count == 0:
-            break
-        count += group_count
-        previous_global_count = global_count
-        sync.reduce(expected / global_count)
-        step_optimizer()
-        sync.after_step()
-        await yield_now()
-    sync.end_pass()
-    total, global_total = await _epoch_totals(channel, losses, count)
-    check_finite(losses, total, epoch, rank)
-    return total, global_total
+                loss_sum.backward(self.scales.get(expected, loss_sum))
+        return expected, group_count, pending

@@ -15,7 +15,7 @@ import torch
 
 from lamploop.sync.strategy import GradientSync
 
-__all__ = ["PendingSum", "SingleProcessChannel", "TensorChannel"]
+__all__ = ["KnownSum", "PendingSum", "SingleProcessChannel", "TensorChannel"]
 
 
 class PendingSum(Protocol):
@@ -26,7 +26,9 @@ class PendingSum(Protocol):
         ...
 
 
-class _KnownSum:
+class KnownSum:
+    """A sum already known (one rank)."""
+
     def __init__(self, values: Sequence[float]) -> None:
         self._values = [float(v) for v in values]
 
@@ -106,4 +108,4 @@ class SingleProcessChannel:
 
     def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
         """Already known: the values themselves."""
-        return _KnownSum(values)
+        return KnownSum(values)

@@ -58,16 +58,19 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import attrs
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import lamploop
 from lamploop.batches import BatchContext, BatchStreamFactory, epoch_seed
-from lamploop.checkpoint import Checkpointer, load_checkpoint
+from lamploop.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from lamploop.control import TcpControlFollower, TcpControlRoot
 from lamploop.distributed import drive_distributed_training, follow_distributed_training
+from lamploop.distributed.boundaries import StopRequest, rng_from_json, rng_to_json
 from lamploop.distributed.launch import launch_env
+from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
 
 HOST = "127.0.0.1"
@@ -153,7 +156,10 @@ def make_module(model: dict[str, Any], rank: int) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(model.get("seed", 0) + 7919 * rank)
         hidden = model.get("hidden", 8)
-        layers: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES)]
+        layers: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.Tanh()]
+        if model.get("dropout"):
+            layers.append(nn.Dropout(model["dropout"]))
+        layers.append(nn.Linear(hidden, CLASSES))
         if model.get("extra_layer"):
             layers += [nn.Tanh(), nn.Linear(CLASSES, CLASSES)]
         return nn.Sequential(*layers).to(DTYPES[model.get("dtype", "float64")])
@@ -308,6 +314,17 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
         checkpoint = load_checkpoint(run["resume_from"], schedule=schedule, model=module)
         checkpoint.rng.restore()
         init_state, schedule_state = checkpoint.state, checkpoint.schedule_state
+    position: dict[str, Any] = {}
+    if run.get("resume_position"):  # a step-boundary checkpoint written by _step_boundaries
+        checkpoint = load_checkpoint(run["resume_position"], schedule=schedule, model=module)
+        init_state, schedule_state = checkpoint.state, checkpoint.schedule_state
+        saved = json.loads((Path(run["resume_position"]) / "position.json").read_text())
+        position = {
+            "init_position": EpochPosition(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in saved["position"].items()}
+            ),
+            "init_rank_rngs": [checkpoint.rng, *(rng_from_json(r) for r in saved["rngs"])],
+        }
     checkpointer = Checkpointer(run["checkpoint_dir"], keep_last=None) if run.get("checkpoint_dir") else None
     live: dict[str, torch.Tensor] = {}
     pause = run.get("pause_after_epoch")
@@ -324,6 +341,7 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
 
     kwargs = {
         **_common(run),
+        **_step_boundaries(run),
         "nranks": nranks,
         "model": lamploop.SupervisedModel(module),
         "optimizer_factory": optimizer_factory(run.get("optimizer", {})),
@@ -333,6 +351,7 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
         "learning_rate_schedule": schedule,
         "init_state": init_state,
         "learning_rate_schedule_init_state": schedule_state,
+        **position,
     }
     refusals: list[str] = []
     if nranks == 1:
@@ -353,6 +372,49 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
     save_tensors(wd / "rank0.safetensors", module.state_dict())
     save_tensors(wd / "live.safetensors", live)
     return {"state": lamploop.state.converter.unstructure(state), "refusals": refusals}
+
+
+def _step_boundaries(run: dict[str, Any]) -> dict[str, Any]:
+    """The root's stop request and step-boundary checkpoints of a run that asks for them.
+
+    ``stop_at`` (``{"epoch", "batch"}``): the root asks to stop when its stream yields that
+    batch; ``position_dir``: each step-boundary checkpoint goes there (``save_checkpoint``
+    plus a ``position.json`` with the position and the followers' RNG states).
+    """
+    extra: dict[str, Any] = {}
+    stop_at = run.get("stop_at")
+    if stop_at is not None:
+        stop = StopRequest()
+        extra["stop"] = stop
+        inner = _common(run)["train_batches"]
+
+        def train_batches(context: BatchContext) -> AsyncIterator[Batch]:
+            async def stream() -> AsyncIterator[Batch]:
+                async for i, batch in _enumerate(inner(context)):
+                    if context.rank == 0 and (context.epoch, i) == (stop_at["epoch"], stop_at["batch"]):
+                        stop.request("a test")
+                    yield batch
+
+            return stream()
+
+        extra["train_batches"] = train_batches
+    if run.get("position_dir"):
+
+        async def save_position(data: Any, schedule_state: Any, position: EpochPosition, rngs: Any) -> None:
+            path = save_checkpoint(run["position_dir"], data, schedule_state=schedule_state, rng=rngs[0])
+            saved = {"position": attrs.asdict(position), "rngs": [rng_to_json(r) for r in rngs[1:]]}
+            write_json(path / "position.json", saved)
+
+        extra["checkpoint_position"] = save_position
+        extra["checkpoint_every_n_steps"] = run.get("checkpoint_every_n_steps")
+    return extra
+
+
+async def _enumerate(stream: AsyncIterator[Batch]) -> AsyncIterator[tuple[int, Batch]]:
+    i = 0
+    async for item in stream:
+        yield i, item
+        i += 1
 
 
 async def run_follower(run: dict[str, Any], wd: Path, rank: int) -> dict[str, Any]:
@@ -394,6 +456,7 @@ async def run_all(config: dict[str, Any], process: int) -> int:
         wd = workdir / run["name"]
         wd.mkdir(parents=True, exist_ok=True)
         started = time.time()
+        torch.manual_seed(run.get("seed", 0) * 1000 + rank)  # each run draws (dropout) from its own seed
         try:
             with anyio.fail_after(run.get("timeout", 120.0)):
                 if rank == 0:

@@ -1,0 +1,95 @@
+"""Stopping at a step boundary and resuming there gives the uninterrupted run's result, bit for bit.
+
+Two worker processes (``tests/workers/rank.py``) run three runs of one configuration
+(2 ranks, dropout, momentum SGD, uneven streams):
+
+1. ``full``: 3 epochs, uninterrupted;
+2. ``stopped``: the root asks to stop in the middle of epoch 1: every rank stops after the
+   same step, the root writes a checkpoint with the position in the epoch and every rank's
+   RNG states, and raises ``TrainingInterrupted``; the follower ends normally;
+3. ``resumed``: a fresh run resumes from that checkpoint and trains to the end.
+
+The resumed run must end with the full run's parameters, learning curve and best epoch,
+exactly: the batch streams skip the steps done, the running loss sums carry on, each
+rank's dropout draws continue from its saved RNG state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from workers import rank as worker
+
+import lamploop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _runs(workdir: Path, strategy: str) -> list[dict[str, Any]]:
+    base = {
+        "members": [0, 1],
+        "strategy": strategy,
+        "k": 2,
+        "epochs": 3,
+        "data": {"seed": 900, "batches": [11, 8]},
+        "model": {"seed": 6, "hidden": 16, "dropout": 0.3},
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "schedule": {"name": "decrement"},
+    }
+    positions = workdir / f"positions-{strategy}"
+    return [
+        {**base, "name": f"full-{strategy}"},
+        {
+            **base,
+            "name": f"stopped-{strategy}",
+            "stop_at": {"epoch": 1, "batch": 4},
+            "position_dir": str(positions),
+            "continue_on_error": True,
+        },
+        {
+            **base,
+            "name": f"resumed-{strategy}",
+            "resume_position": str(positions / "epoch-000001"),
+        },
+    ]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("graceful")
+    runs = _runs(workdir, "all_reduce") + _runs(workdir, "reduce_to_root")
+    with worker.Processes(workdir) as procs:
+        procs.start_runs({"workdir": str(workdir), "runs": runs}, workdir / "runs.json", range(2))
+        codes = procs.wait_all(200)
+        assert codes == {"p0": 0, "p1": 0}, procs.logs()
+    return workdir
+
+
+@pytest.mark.parametrize("strategy", ["all_reduce", "reduce_to_root"])
+def test_a_stop_request_ends_every_rank_at_one_step_boundary(workdir: Path, strategy: str) -> None:
+    root = worker.outcome(workdir, f"stopped-{strategy}", 0)
+    assert not root["ok"]
+    assert root["error"]["type"] == "TrainingInterrupted", root
+    # Batch 4 (of step 3, k=2) is fetched ahead while step 2 runs: step 2 is the one in
+    # progress when the request comes, and the ranks stop after it.
+    assert "epoch 1 after step 2" in root["error"]["message"], root
+    assert worker.outcome(workdir, f"stopped-{strategy}", 1)["ok"]
+    saved = lamploop.load_checkpoint(workdir / f"positions-{strategy}" / "epoch-000001")
+    assert saved.state.loop_state.epoch == 1  # epoch 1 was in progress
+
+
+@pytest.mark.parametrize("strategy", ["all_reduce", "reduce_to_root"])
+def test_resuming_at_the_step_boundary_ends_bitwise_equal(workdir: Path, strategy: str) -> None:
+    full = worker.outcome(workdir, f"full-{strategy}", 0)
+    resumed = worker.outcome(workdir, f"resumed-{strategy}", 0)
+    assert full["ok"], full
+    assert resumed["ok"], resumed
+    assert resumed["state"] == full["state"]  # the learning curve, bit for bit
+    for name in ("rank0", "rank1", "live"):
+        got = worker.tensors(workdir, f"resumed-{strategy}", name)
+        expected = worker.tensors(workdir, f"full-{strategy}", name)
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"{name} {key}"

@@ -29,7 +29,7 @@ from lamploop.errors import BatchError, ConfigurationError
 from lamploop.loop.batch_checks import check_finite, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.model import SupervisedModel
-from lamploop.sync.channel import KnownSum, PendingSum, SingleProcessChannel, TensorChannel
+from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 from lamploop.sync.strategy import GradientSync
 
 __all__ = ["one_epoch"]
@@ -179,9 +179,7 @@ class _TrainingPass:
         self.rank, self.single = channel.rank, channel.nranks == 1
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
-        # A running float64 sum, added to in batch order: a pass resumed from a boundary
-        # continues it and ends with the same bits as an uninterrupted one.
-        self.loss_sum = torch.tensor(start.loss_sum, dtype=torch.float64, device=device)
+        self.start_loss_sum = start.loss_sum
         self.count = start.example_count
         self.steps_done = start.steps_done
         self.previous_global_count = start.last_step_examples
@@ -192,6 +190,18 @@ class _TrainingPass:
         if self.boundary is None:
             return [0.0, 0.0]
         return [float(flag) for flag in self.boundary.requests(self.steps_done)]
+
+    def _loss_sum(self) -> float:
+        """This rank's loss sum so far, added up one batch after the other in float64.
+
+        A sequential sum (a CPU cumsum is one) from the resumed pass's starting sum gives
+        the bits of the uninterrupted pass's sum: resuming at a boundary changes nothing.
+        """
+        start = torch.tensor([self.start_loss_sum], dtype=torch.float64)
+        if not self.losses:
+            return float(start[0])
+        losses = torch.stack(self.losses).to(device="cpu", dtype=torch.float64).reshape(-1)
+        return float(torch.cat([start, losses]).cumsum(0)[-1])
 
     async def run(self, batches: BatchStream) -> tuple[float, float]:
         sync = self.channel.gradient_sync(self.model.module)
@@ -205,9 +215,14 @@ class _TrainingPass:
         self.upcoming = await anext(stream, None)
         while True:
             expected, group_count, pending = await self._forward_backward(stream, sync)
-            if pending is None:  # one rank, or no batch left here: take part with zero examples
-                pending = self._sum([group_count, *self._requests()])
-            global_count, checkpoint, stop = (int(v) for v in pending.wait())
+            if self.single:
+                global_count, checkpoint, stop = group_count, 0, 0
+                if self.boundary is not None:
+                    checkpoint, stop = self.boundary.requests(self.steps_done)
+            else:
+                if pending is None:  # no batch left here: take part with zero examples
+                    pending = self.channel.begin_all_reduce_sum([group_count, *self._requests()])
+                global_count, checkpoint, stop = (int(v) for v in pending.wait())
             if global_count == 0:
                 break
             self.count += group_count
@@ -220,12 +235,9 @@ class _TrainingPass:
                 await self._at_boundary(sync, stop=bool(stop))
             await yield_now()
         sync.end_pass()
-        total_loss, global_total = await _epoch_totals(self.channel, [float(self.loss_sum), self.count])
+        total_loss, global_total = await _epoch_totals(self.channel, [self._loss_sum(), self.count])
         check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)
         return total_loss, global_total
-
-    def _sum(self, values: list[float]) -> PendingSum:
-        return KnownSum(values) if self.single else self.channel.begin_all_reduce_sum(values)
 
     async def _at_boundary(self, sync: GradientSync, *, stop: bool) -> None:
         if self.boundary is None:
@@ -233,7 +245,7 @@ class _TrainingPass:
         sync.end_pass()  # nothing in flight: every rank holds the step's parameters
         progress = StepProgress(
             steps_done=self.steps_done,
-            loss_sum=float(self.loss_sum),
+            loss_sum=self._loss_sum(),
             example_count=self.count,
             last_step_examples=self.previous_global_count,
         )
@@ -260,9 +272,7 @@ class _TrainingPass:
             loss_sum, n = self.model.loss_sum_and_count(features, target)
             if position == 0 and self.single:
                 expected = self.k * n  # one rank knows its step's count up front
-            detached = loss_sum.detach()
-            self.losses.append(detached)
-            self.loss_sum += detached
+            self.losses.append(loss_sum.detach())
             group_count += n
             if not self.single and (position == self.k - 1 or self.upcoming is None):
                 # Every rank starts the count (with its requests) before any gradient

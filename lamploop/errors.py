@@ -75,7 +75,21 @@ class HandshakeError(ControlChannelError):
 
 
 class PeerLostError(ControlChannelError):
-    """A joined peer went silent past the heartbeat timeout or disconnected."""
+    """A rank of the run was lost: it died, went silent, closed its connection or failed.
+
+    Attributes:
+        rank: the rank that failed (never the innocent rank that reports it), or ``None``
+            when unknown.
+        how: ``"died"`` (its connection broke), ``"silent"`` (no heartbeat for the heartbeat
+            timeout: frozen or cut off), ``"closed"`` (it closed the connection before
+            ``Stop``), ``"aborted"`` (it failed itself and said why), ``"protocol"`` (it
+            broke the protocol), or ``None`` when unknown.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, how: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.how = how
 
 
 class TrainingInterrupted(LamploopError):

@@ -249,7 +249,7 @@ def test_proofs_bind_the_token_the_nonces_and_every_hello_field() -> None:
     assert proof != follower_proof(b"secreT", root_nonce=root_nonce, hello=hello)
     assert proof != follower_proof(token, root_nonce=new_nonce(), hello=hello)
     changed = [
-        attrs.evolve(hello, protocol_version=2),
+        attrs.evolve(hello, protocol_version=PROTOCOL_VERSION + 1),
         attrs.evolve(hello, rank=2),
         attrs.evolve(hello, nranks=3),
         attrs.evolve(hello, model_spec=ModelSpec(SPEC.tensors[:1])),

@@ -37,9 +37,13 @@ _RECEIVE_BYTES = 65536
 
 @attrs.frozen
 class Gone:
-    """How a peer was lost while reading; ``what`` completes a sentence that names the peer."""
+    """How a peer was lost while reading; ``what`` completes a sentence that names the peer.
+
+    ``how`` is :attr:`lamploop.errors.PeerLostError.how`'s word for it.
+    """
 
     what: str
+    how: str
 
 
 def explain(exc: BaseException) -> str:
@@ -146,11 +150,11 @@ class Connection:
             try:
                 message = await self.receive()
             except ControlChannelError as exc:
-                return Gone(f"is gone: {exc}")
+                return Gone(f"is gone: {exc}", "died")
         if silence.cancelled_caught:
-            return Gone(f"sent nothing for {timeout:g} s (heartbeat timeout)")
+            return Gone(f"sent nothing for {timeout:g} s (heartbeat timeout)", "silent")
         if message is None:
-            return Gone("closed the connection before Stop")
+            return Gone("closed the connection before Stop", "closed")
         return message
 
     async def heartbeat_forever(self, on_error: Callable[[ControlChannelError], None]) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 import anyio
 import anyio.abc
 
-from lamploop.errors import ControlChannelError
+from lamploop.control.wire import Abort
+from lamploop.errors import ControlChannelError, PeerLostError
 
 __all__ = ["Supervisor"]
 
@@ -90,6 +91,18 @@ class Supervisor:
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             return f"the {who} was cancelled"
         return f"the {who} failed: {type(exc).__name__}: {exc}"[:1000]
+
+    def abort_message(self, exc: BaseException | None, who: str, *, own_rank: int) -> Abort:
+        """The Abort to send when leaving before Stop: why, and which rank was lost if one was.
+
+        A lost rank (the channel's own failure, or a :class:`PeerLostError` the owner raised)
+        travels as ``lost_rank``/``how``, so that the peers blame it and not this side.
+        """
+        reason = self.describe_exit(exc, who)
+        for error in (self.failure, exc):
+            if isinstance(error, PeerLostError) and error.rank is not None and error.rank != own_rank:
+                return Abort(reason, lost_rank=error.rank, how=error.how)
+        return Abort(reason)
 
     def leave_body(self, exc: BaseException | None) -> BaseException | None:
         """Leave the body's scope; the exception still in flight (``None`` if it was our cancellation)."""

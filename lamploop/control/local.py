@@ -52,9 +52,22 @@ MAX_UNREAD_COMMANDS = 1024
 
 @attrs.frozen
 class _Aborted:
-    """Queued to the followers when the root leaves without Stop."""
+    """Queued to the followers when the root leaves without Stop; names the lost rank if one was."""
 
     reason: str
+    lost_rank: int = 0
+    how: str = "aborted"
+
+
+def _lost_rank(exc: BaseException | None, own_rank: int) -> tuple[int, str] | None:
+    """The rank (and how) that ``exc`` blames, when it is a PeerLostError naming another rank."""
+    if isinstance(exc, PeerLostError) and exc.rank is not None and exc.rank != own_rank:
+        return exc.rank, exc.how or "aborted"
+    return None
+
+
+def _how_left(exc: BaseException | None) -> str:
+    return "closed" if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()) else "aborted"
 
 
 def _describe_exit(exc: BaseException | None, what: str) -> str:
@@ -76,7 +89,7 @@ class _Hub:
         self.rendezvous: Rendezvous | None = None
         self.root_left: str | None = None
         self.rendezvous_or_root_left = anyio.Event()
-        self.gone: dict[int, str] = {}
+        self.gone: dict[int, tuple[str, str]] = {}  # rank -> (why, how) it left before Stop
         self.sends: dict[int, MemoryObjectSendStream[Command | _Aborted]] = {}
         self.receives: dict[int, MemoryObjectReceiveStream[Command | _Aborted]] = {}
         for rank in range(1, nranks):
@@ -129,13 +142,13 @@ class LocalControlRoot:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._close(_describe_exit(exc, "root"))
+        self._close(_describe_exit(exc, "root"), _lost_rank(exc, 0))
 
     async def aclose(self) -> None:
         """Close the channel; followers that have not received :class:`Stop` see the run aborted."""
-        self._close(_describe_exit(None, "root"))
+        self._close(_describe_exit(None, "root"), None)
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, lost: tuple[int, str] | None) -> None:
         if self._closed:
             return
         self._closed = True
@@ -147,7 +160,7 @@ class LocalControlRoot:
                 if rank not in hub.gone:
                     # A follower that is gone or hopelessly behind only gets the closed stream.
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.WouldBlock):
-                        send.send_nowait(_Aborted(reason))
+                        send.send_nowait(_Aborted(reason, *lost) if lost else _Aborted(reason))
         for send in hub.sends.values():
             send.close()
         for rank, receive in hub.receives.items():
@@ -201,15 +214,15 @@ class LocalControlRoot:
             msg = f"broadcast({command!r}) after Stop: the channel is finished"
             raise ControlChannelError(msg)
         hub = self._hub
-        for rank, reason in sorted(hub.gone.items()):
+        for rank, (reason, how) in sorted(hub.gone.items()):
             msg = f"rank {rank} is gone: {reason}"
-            raise PeerLostError(msg)
+            raise PeerLostError(msg, rank=rank, how=how)
         for rank, send in hub.sends.items():
             try:
                 send.send_nowait(command)
             except anyio.BrokenResourceError as exc:
                 msg = f"rank {rank} is gone: it closed its end of the channel"
-                raise PeerLostError(msg) from exc
+                raise PeerLostError(msg, rank=rank, how="closed") from exc
             except anyio.WouldBlock as exc:
                 msg = f"rank {rank} has {MAX_UNREAD_COMMANDS} unread commands: is it reading them?"
                 raise ControlChannelError(msg) from exc
@@ -243,15 +256,15 @@ class LocalControlFollower:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._close(_describe_exit(exc, f"follower of rank {self.rank}"))
+        self._close(_describe_exit(exc, f"follower of rank {self.rank}"), _how_left(exc))
 
     async def aclose(self) -> None:
         """Leave the channel; the root's next broadcast fails unless :class:`Stop` was received."""
-        self._close(_describe_exit(None, f"follower of rank {self.rank}"))
+        self._close(_describe_exit(None, f"follower of rank {self.rank}"), "closed")
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, how: str) -> None:
         if not self._commands.stopped and self.rank not in self._hub.gone:
-            self._hub.gone[self.rank] = reason
+            self._hub.gone[self.rank] = (reason, how)
         self._commands.close()
 
     async def join(self) -> tuple[Rendezvous, AsyncIterator[Command]]:
@@ -276,7 +289,7 @@ class LocalControlFollower:
             return hub.rendezvous, self._commands
         if hub.root_left is not None:
             msg = f"rank {self.rank}: {hub.root_left} (before sending the rendezvous)"
-            raise PeerLostError(msg)
+            raise PeerLostError(msg, rank=0, how="closed")
         msg = f"rank {self.rank}: the root sent no rendezvous within {hub.join_timeout:g} s"
         raise ControlChannelError(msg)
 
@@ -299,13 +312,13 @@ class _LocalCommands(AsyncIterator[Command]):
             item = await self._receive.receive()
         except anyio.EndOfStream as exc:
             msg = f"rank {self._rank}: the root closed the channel before Stop"
-            raise PeerLostError(msg) from exc
+            raise PeerLostError(msg, rank=0, how="closed") from exc
         except anyio.ClosedResourceError as exc:
             msg = f"rank {self._rank}: commands read after the follower was closed"
             raise ControlChannelError(msg) from exc
         if isinstance(item, _Aborted):
             msg = f"rank {self._rank}: {item.reason}"
-            raise PeerLostError(msg)
+            raise PeerLostError(msg, rank=item.lost_rank, how=item.how)
         if isinstance(item, Stop):
             self.stopped = True
         return item

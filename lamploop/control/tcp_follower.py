@@ -113,7 +113,9 @@ class TcpControlFollower:
                     if not conn.finished:  # leaving before Stop: tell the root why
                         conn.finished = True
                         who = f"follower of rank {self.rank}"
-                        await conn.send_best_effort(Abort(self._sup.describe_exit(remaining, who)))
+                        await conn.send_best_effort(
+                            self._sup.abort_message(remaining, who, own_rank=self.rank)
+                        )
                         await conn.send_eof()
                     await self._drained.wait()  # read until the root closes, so nothing is lost to a reset
             return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
@@ -189,14 +191,14 @@ class TcpControlFollower:
             delay = min(delay * 2, 1.0)
 
     def _on_heartbeat_error(self, exc: ControlChannelError) -> None:
-        self._lost(f"is gone: {exc}")
+        self._lost(f"is gone: {exc}", "died")
 
-    def _lost(self, what: str) -> None:
+    def _lost(self, what: str, how: str, *, rank: int = 0) -> None:
         conn = self._conn
         if conn is not None and conn.finished:
             logger.debug("rank %d: after Stop, %s %s", self.rank, self._root, what)
             return
-        self._sup.fail(PeerLostError(f"rank {self.rank}: {self._root} {what}"))
+        self._sup.fail(PeerLostError(f"rank {self.rank}: {self._root} {what}", rank=rank, how=how))
 
     async def _read_root(self, conn: Connection) -> None:
         try:
@@ -208,12 +210,17 @@ class TcpControlFollower:
         while True:
             message = await conn.receive_live()
             if isinstance(message, Gone):
-                self._lost(message.what)
+                self._lost(message.what, message.how)
                 return
             if isinstance(message, Heartbeat) or conn.finished:
                 continue
             if isinstance(message, Abort):
-                self._lost(f"aborted the run: {message.reason}")
+                if message.lost_rank is not None and message.lost_rank != 0:  # the root lost another rank
+                    self._lost(
+                        f"aborted the run: {message.reason}", message.how or "aborted", rank=message.lost_rank
+                    )
+                else:
+                    self._lost(f"aborted the run: {message.reason}", "aborted")
                 return
             if isinstance(message, Rendezvous) and self._rendezvous is None:
                 self._rendezvous = message
@@ -226,7 +233,7 @@ class TcpControlFollower:
                     self._send_commands.close()
                     await conn.send_eof()
             else:
-                self._lost(f"broke the protocol: it sent a {type(message).__name__} message")
+                self._lost(f"broke the protocol: it sent a {type(message).__name__} message", "protocol")
                 return
 
     def _deliver(self, command: Command) -> bool:

@@ -131,10 +131,10 @@ class TcpControlRoot:
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
             if not self._stop_sent:
                 # Tell every follower why the run ends, then close our side.
-                reason = self._sup.describe_exit(remaining, "root")
+                abort = self._sup.abort_message(remaining, "root", own_rank=0)
                 for conn in list(self._peers.values()):
                     conn.finished = True  # their closing is expected now
-                    await conn.send_best_effort(Abort(reason))
+                    await conn.send_best_effort(abort)
                     await conn.send_eof()
             # Read each follower until it closes too, so that nothing we sent is lost to a reset.
             if self._serving:
@@ -217,7 +217,7 @@ class TcpControlRoot:
         try:
             await conn.send(data)
         except ControlChannelError as exc:
-            self._sup.fail(PeerLostError(f"rank {rank} ({conn.peer}) is gone: {exc}"))
+            self._sup.fail(PeerLostError(f"rank {rank} ({conn.peer}) is gone: {exc}", rank=rank, how="died"))
             self._sup.raise_failure()
 
     # -- background tasks --
@@ -279,7 +279,7 @@ class TcpControlRoot:
         try:
             await conn.send(welcome)
         except ControlChannelError as exc:
-            self._lost(conn, f"is gone: {exc}")
+            self._lost(conn, f"is gone: {exc}", "died")
             return rank
         logger.info("control root: rank %d joined from %s", rank, conn.peer)
         if len(self._peers) == self._run.nranks - 1:
@@ -303,24 +303,40 @@ class TcpControlRoot:
                 self._all_served.set()
 
     def _on_heartbeat_error(self, conn: Connection) -> Callable[[ControlChannelError], None]:
-        return lambda exc: self._lost(conn, f"is gone: {exc}")
+        return lambda exc: self._lost(conn, f"is gone: {exc}", "died")
 
-    def _lost(self, conn: Connection, what: str) -> None:
+    def _lost(self, conn: Connection, what: str, how: str) -> None:
         if conn.finished:
             logger.debug("rank %s (%s) after Stop: %s", conn.rank, conn.peer, what)
             return
-        self._sup.fail(PeerLostError(f"rank {conn.rank} ({conn.peer}) {what}"))
+        self._sup.fail(PeerLostError(f"rank {conn.rank} ({conn.peer}) {what}", rank=conn.rank, how=how))
+
+    def fail_peer(self, rank: int, how: str, detail: str) -> None:
+        """Record that rank ``rank`` was lost (found out by other means); the first failure wins."""
+        self._sup.fail(PeerLostError(f"rank {rank} {detail}", rank=rank, how=how))
 
     async def _read_from(self, conn: Connection) -> None:
         """Read a joined follower until it closes after Stop, or report how it was lost."""
         while True:
             message = await conn.receive_live()
             if isinstance(message, Gone):
-                self._lost(conn, message.what)
+                self._lost(conn, message.what, message.how)
                 return
             if isinstance(message, Abort):
-                self._lost(conn, f"aborted the run: {message.reason}")
+                self._lost_by_abort(conn, message)
                 return
             if not isinstance(message, Heartbeat):
-                self._lost(conn, f"broke the protocol: it sent a {type(message).__name__} message")
+                self._lost(
+                    conn, f"broke the protocol: it sent a {type(message).__name__} message", "protocol"
+                )
                 return
+
+    def _lost_by_abort(self, conn: Connection, abort: Abort) -> None:
+        """A follower aborted: it failed itself, or it lost another rank (which it names)."""
+        if abort.lost_rank is not None and abort.lost_rank != conn.rank and abort.lost_rank != 0:
+            if conn.finished:
+                return
+            what = f"rank {abort.lost_rank}, reported by rank {conn.rank} ({conn.peer}): {abort.reason}"
+            self._sup.fail(PeerLostError(what, rank=abort.lost_rank, how=abort.how))
+            return
+        self._lost(conn, f"aborted the run: {abort.reason}", "aborted")

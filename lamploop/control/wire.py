@@ -52,7 +52,7 @@ __all__ = [
     "root_proof",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 """The control protocol version; peers that speak another one are refused."""
 
 HEADER_BYTES: Final = 4
@@ -111,9 +111,15 @@ class Heartbeat:
 
 @attrs.frozen
 class Abort:
-    """Either way: this side is leaving before ``Stop`` (an error, or closed early), and why."""
+    """Either way: this side is leaving before ``Stop`` (an error, or closed early), and why.
+
+    When the run failed because a rank was lost, ``lost_rank`` and ``how`` name it, so that
+    the receiving side blames that rank and not the messenger (protocol version 2).
+    """
 
     reason: str
+    lost_rank: int | None = None
+    how: str | None = None
 
 
 Message: TypeAlias = (

@@ -56,8 +56,9 @@ class ControlRelay:
             except OSError:
                 return
             if not data:
-                with contextlib.suppress(OSError):
-                    sink.shutdown(socket.SHUT_WR)
+                if not self._silent.is_set():  # a silent link carries no end of stream either
+                    with contextlib.suppress(OSError):
+                        sink.shutdown(socket.SHUT_WR)
                 return
             if self._silent.is_set():
                 continue  # swallowed: the link drops everything

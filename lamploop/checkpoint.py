@@ -57,7 +57,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import anyio
@@ -70,6 +70,7 @@ import safetensors.torch
 import torch
 
 from lamploop.errors import CheckpointError, ConfigurationError
+from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
 from lamploop.optimizer_state import decode_tree, encode_tree
 from lamploop.schedules import LearningRateSchedule
@@ -93,7 +94,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 """The version of the on-disk format this lamploop writes and the newest it reads."""
 
 DESCRIPTOR_NAME: Final = "checkpoint.json"
@@ -109,7 +110,7 @@ RNG_FILE: Final = "rng.safetensors"
 
 _log = logging.getLogger(__name__)
 
-_CHECKPOINT_NAME: Final = re.compile(r"epoch-(\d{6,})")
+_CHECKPOINT_NAME: Final = re.compile(r"epoch-(\d{6,})(?:-step-(\d{6,}))?")
 _TMP_PREFIX: Final = ".lamploop-tmp-"
 _TMP_NAME: Final = re.compile(re.escape(_TMP_PREFIX) + r"([0-9a-f]{8})-(\d+)-[0-9a-f]+-.*")
 _CHUNK: Final = 1 << 20
@@ -118,9 +119,15 @@ _CHUNK: Final = 1 << 20
 # for a value that plain JSON would lose.  Plain objects never have keys starting with "$".
 
 
-def checkpoint_name(epoch: int) -> str:
-    """The directory name of the checkpoint a run resumes at ``epoch`` from: ``epoch-000006``."""
-    return f"epoch-{epoch:06d}"
+def checkpoint_name(epoch: int, step: int | None = None) -> str:
+    """The directory name of the checkpoint a run resumes at: ``epoch-000006`` (the start of
+    epoch 6), or ``epoch-000005-step-000120`` (epoch 5 after its 120th step)."""
+    return f"epoch-{epoch:06d}" if step is None else f"epoch-{epoch:06d}-step-{step:06d}"
+
+
+def rank_rng_file(rank: int) -> str:
+    """The file of rank ``rank``'s RNG states (ranks 1 and up; rank 0's are :data:`RNG_FILE`)."""
+    return f"rng-rank{rank}.safetensors"
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +267,9 @@ class _Descriptor:
     optimizer: Any
     rng: _RngRecord
     files: dict[str, _FileRecord]
+    # Format 2: a checkpoint at a step boundary inside an epoch, with every rank's RNG states.
+    position: EpochPosition | None = None
+    rank_rngs: list[_RngRecord] = attrs.Factory(list)
 
 
 def _to_json(value: Any, level: int = 0) -> str:
@@ -464,6 +474,8 @@ def save_checkpoint(
     schedule_state: Any = None,
     keep_last: int | None = 3,
     rng: RngStates | None = None,
+    position: EpochPosition | None = None,
+    rank_rngs: Sequence[RngStates] = (),
 ) -> pathlib.Path:
     """Save ``state`` as ``<directory>/epoch-NNNNNN`` and point ``<directory>/latest`` at it.
 
@@ -482,6 +494,10 @@ def save_checkpoint(
         keep_last: how many checkpoint directories to keep, counting the new
             one and ordered by when they were saved; ``None`` keeps all.
         rng: the RNG states to store (default: :meth:`RngStates.capture` now).
+        position: where inside epoch ``state.loop_state.epoch`` this checkpoint is taken
+            (a step boundary; ``None``: at the start of that epoch); names the directory
+            ``epoch-NNNNNN-step-SSSSSS``.
+        rank_rngs: the RNG states of ranks 1, 2... at that position (rank 0's are ``rng``).
 
     Returns:
         The new checkpoint directory.
@@ -507,7 +523,10 @@ def save_checkpoint(
         msg = f"save_checkpoint: state.loop_state.epoch must be an int >= 0, got {epoch!r}"
         raise ConfigurationError(msg)
     root = pathlib.Path(directory)
-    name = checkpoint_name(epoch)
+    if position is not None and position.epoch != epoch:
+        msg = f"save_checkpoint: position.epoch={position.epoch} but state.loop_state.epoch={epoch}"
+        raise ConfigurationError(msg)
+    name = checkpoint_name(epoch, position.steps_done if position is not None else None)
     rng_record, rng_tensors = _rng_to_disk(RngStates.capture() if rng is None else rng)
 
     model = _cpu_tensors(state.model, "model state dict")
@@ -543,6 +562,13 @@ def save_checkpoint(
             OPTIMIZER_FILE: _write_tensors(temp / OPTIMIZER_FILE, optimizer_tensors, "optimizer state"),
             RNG_FILE: _write_tensors(temp / RNG_FILE, rng_tensors, "RNG states"),
         }
+        rank_records = []
+        for rank, rank_rng in enumerate(rank_rngs, start=1):
+            record, tensors = _rng_to_disk(rank_rng)
+            rank_records.append(record)
+            files[rank_rng_file(rank)] = _write_tensors(
+                temp / rank_rng_file(rank), tensors, f"rank {rank}'s RNG states"
+            )
         descriptor = _Descriptor(
             format_version=FORMAT_VERSION,
             lamploop_version=_lamploop_version(),
@@ -556,6 +582,8 @@ def save_checkpoint(
             optimizer=optimizer_json,
             rng=rng_record,
             files=files,
+            position=position,
+            rank_rngs=rank_records,
         )
         with open(temp / DESCRIPTOR_NAME, "w", encoding="utf-8") as f:
             f.write(_to_json(converter.unstructure(descriptor)) + "\n")
@@ -603,12 +631,16 @@ class Checkpoint:
             ``schedule`` given to :func:`load_checkpoint`, else the raw JSON
             value (``None`` or a dict).
         rng: the RNG states at save time; :meth:`RngStates.restore` sets them.
+        position: where inside its epoch the checkpoint was taken (``None``: at the start).
+        rank_rngs: the RNG states of ranks 1, 2... at that position (empty before format 2).
     """
 
     path: pathlib.Path
     state: LoopStateWithModelAndOptimizerData
     schedule_state: Any
     rng: RngStates
+    position: EpochPosition | None = None
+    rank_rngs: tuple[RngStates, ...] = ()
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
@@ -858,7 +890,18 @@ def load_checkpoint(
     state = LoopStateWithModelAndOptimizerData(
         loop_state=descriptor.loop_state, model=model_tensors, optimizer=optimizer, best_model=best_tensors
     )
-    return Checkpoint(path=directory, state=state, schedule_state=schedule_state, rng=rng)
+    rank_rngs = tuple(
+        _rng_from_disk(record, _load_file(directory, descriptor, rank_rng_file(rank)))
+        for rank, record in enumerate(descriptor.rank_rngs, start=1)
+    )
+    return Checkpoint(
+        path=directory,
+        state=state,
+        schedule_state=schedule_state,
+        rng=rng,
+        position=descriptor.position,
+        rank_rngs=rank_rngs,
+    )
 
 
 def restore_optimizer_state(
@@ -953,6 +996,30 @@ class Checkpointer:
             # Captured here, in the caller's thread and at the moment of the call: other tasks
             # may draw random numbers while the worker thread writes.
             rng=RngStates.capture(),
+        )
+        async with self._lock:
+            self.last_path = await anyio.to_thread.run_sync(save)
+
+    async def save_position(
+        self,
+        state: LoopStateWithModelAndOptimizerData,
+        schedule_state: Any,
+        position: EpochPosition,
+        rank_rngs: Sequence[RngStates],
+    ) -> None:
+        """Save a checkpoint at a step boundary inside an epoch (see ``drive_distributed_training``).
+
+        ``rank_rngs`` are every rank's RNG states there, rank 0's first.
+        """
+        save = functools.partial(
+            save_checkpoint,
+            self.directory,
+            state,
+            schedule_state=schedule_state,
+            keep_last=self.keep_last,
+            rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
+            position=position,
+            rank_rngs=tuple(rank_rngs[1:]),
         )
         async with self._lock:
             self.last_path = await anyio.to_thread.run_sync(save)

@@ -1007,9 +1007,10 @@ class Checkpointer:
         position: EpochPosition,
         rank_rngs: Sequence[RngStates],
     ) -> None:
-        """Save a checkpoint at a step boundary inside an epoch (see ``drive_distributed_training``).
+        """Save a checkpoint at a step boundary (see ``drive_distributed_training``).
 
-        ``rank_rngs`` are every rank's RNG states there, rank 0's first.
+        ``rank_rngs`` are every rank's RNG states there, rank 0's first.  Step 0 is the
+        start of ``position.epoch``: saved as an epoch-boundary checkpoint, with the RNG states.
         """
         save = functools.partial(
             save_checkpoint,
@@ -1018,7 +1019,7 @@ class Checkpointer:
             schedule_state=schedule_state,
             keep_last=self.keep_last,
             rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
-            position=position,
+            position=position if position.steps_done > 0 else None,
             rank_rngs=tuple(rank_rngs[1:]),
         )
         async with self._lock:

@@ -1,7 +1,9 @@
 """The ``lamploop`` command.
 
 Exit statuses: 0 done; 1 training failed (one line on stderr says why: a lost rank, a bad
-batch, a corrupt checkpoint...); 2 bad command-line arguments; 130 interrupted (Ctrl-C).
+batch, a corrupt checkpoint...); 2 bad command-line arguments; 130 stopped by SIGINT
+(Ctrl-C) and 143 by SIGTERM, after the step in progress and a checkpoint there (run the
+same command again to resume at that step; a second signal stops at once).
 A failed distributed run exits with its status at once, also when a collective is stuck
 (see :mod:`lamploop.distributed.abandon`).
 """
@@ -14,13 +16,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lamploop.errors import LamploopError
+from lamploop.errors import LamploopError, TrainingInterrupted
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seed=args.seed,
                 world_size=args.world_size,
             )
+    except TrainingInterrupted as exc:
+        print(f"lamploop: {exc}", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED if exc.reason == "SIGTERM" else EXIT_INTERRUPTED
     except LamploopError as exc:
         print(f"lamploop: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED

@@ -23,7 +23,10 @@ import functools
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Container, Sequence
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypedDict, TypeVar
 
@@ -34,6 +37,7 @@ import torch
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lamploop.control.tcp import TcpControlRoot
+from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.distributed.launch import (
@@ -43,7 +47,7 @@ from lamploop.distributed.launch import (
     open_root_control,
     spawn_followers,
 )
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, TrainingInterrupted
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
@@ -104,13 +108,52 @@ def _resume(
     resume: bool,
     schedule: LearningRateSchedule[Any],
     module: torch.nn.Module,
-) -> tuple[LoopStateWithModelAndOptimizerData | None, Any]:
+) -> dict[str, Any]:
+    """The drive's keyword arguments that resume from the latest checkpoint (none without one)."""
     if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
-        return None, None
+        return {}
     checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
     checkpoint.rng.restore()
-    logger.info("resuming from %s at epoch %d", checkpoint.path, checkpoint.state.loop_state.epoch)
-    return checkpoint.state, checkpoint.schedule_state
+    where = f"epoch {checkpoint.state.loop_state.epoch}"
+    if checkpoint.position is not None:
+        where += f" after step {checkpoint.position.steps_done}"
+    logger.info("resuming from %s at %s", checkpoint.path, where)
+    return {
+        "init_state": checkpoint.state,
+        "learning_rate_schedule_init_state": checkpoint.schedule_state,
+        "init_position": checkpoint.position,
+        "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
+    }
+
+
+@asynccontextmanager
+async def _stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]:
+    """SIGTERM or SIGINT: stop at the next step boundary (after a checkpoint); a second one: at once.
+
+    Yields the scope that a second signal cancels.  Signals are only handled on the main
+    thread (elsewhere they keep their default meaning).
+    """
+    with anyio.CancelScope() as scope:
+        if threading.current_thread() is not threading.main_thread():
+            yield scope
+            return
+        async with anyio.create_task_group() as watchers:
+
+            async def watch() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        name = signal.Signals(signum).name
+                        if stop.is_set():
+                            scope.cancel()
+                            return
+                        stop.request(name)
+                        logger.info("%s: stopping after the current step (again to stop at once)", name)
+
+            watchers.start_soon(watch)
+            try:
+                yield scope
+            finally:
+                watchers.cancel_scope.cancel()
 
 
 async def fit_async(
@@ -138,6 +181,8 @@ async def fit_async(
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 10.0,
     reporters: Sequence[Reporter] | None = None,
+    checkpoint_every_n_steps: int | None = None,
+    checkpoint_every_seconds: float | None = None,
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -170,19 +215,31 @@ async def fit_async(
         heartbeat_interval, heartbeat_timeout: the control channel's; a rank silent for
             ``heartbeat_timeout`` seconds (dead, frozen or cut off) ends the run everywhere.
         reporters: who hears about the run (default: a :class:`LoggingReporter`).
+        checkpoint_every_n_steps, checkpoint_every_seconds: also checkpoint inside epochs,
+            at the step boundary after every N steps or T seconds (needs ``checkpoint_dir``).
+
+    SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
+    progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from
+    which the next run resumes exactly there.  A second signal stops at once.
 
     Raises:
         lamploop.errors.LamploopError: any of its subclasses, see the parts above; a lost
             rank is a :class:`~lamploop.errors.PeerLostError` naming it.
+        lamploop.errors.TrainingInterrupted: stopped by a signal (``reason`` names it).
     """
     settings = TrainingSettings.from_arguments(locals())
     place = _place(world_size, device)
     spec = model_spec(model.module)
     heartbeat = _Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
     rank_settings = settings.for_every_rank()
+    stop = StopRequest()
     if place.env is not None and place.rank > 0:
-        async with open_follower_control(place.env, model_spec=spec, **heartbeat) as follower:
+        async with (
+            _stop_on_signals(stop),
+            open_follower_control(place.env, model_spec=spec, **heartbeat) as follower,
+        ):
             await follow_distributed_training(
+                stop=stop,
                 rank=place.rank,
                 nranks=place.nranks,
                 device=place.device,
@@ -195,14 +252,13 @@ async def fit_async(
             )
         return None
 
-    init_state, schedule_state = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
+    resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
     save = Checkpointer(checkpoint_dir, keep_last=keep_last) if checkpoint_dir is not None else None
     listeners = list(reporters) if reporters is not None else [LoggingReporter()]
 
     async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
+        # The checkpoint itself is written through checkpoint_position, with every rank's RNG states.
         report_all(listeners, EpochFinished(data.loop_state))
-        if save is not None:
-            await save(data, schedule_state)
         if on_epoch is not None:
             on_epoch(data.loop_state)
 
@@ -215,17 +271,36 @@ async def fit_async(
         train_batches=train_batches,
         validation_batches=validation_batches,
         checkpoint_state=after_epoch,
-        init_state=init_state,
-        learning_rate_schedule_init_state=schedule_state,
+        checkpoint_position=save.save_position if save is not None else None,
+        stop=stop,
+        **resumed,
         **attrs.asdict(settings, recurse=False),
     )
     try:
-        state = await _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+        async with _stop_on_signals(stop) as at_once:
+            state = await _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+        if at_once.cancelled_caught:
+            msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
+            raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
     except Exception as exc:
-        report_all(listeners, RunFailed(f"{type(exc).__name__}: {exc}"))
-        raise
+        error = _first_error(exc)
+        if not isinstance(error, TrainingInterrupted):  # a stop on request is no failure
+            report_all(listeners, RunFailed(f"{type(error).__name__}: {error}"))
+        if error is exc:
+            raise
+        raise error from exc  # the task groups' wrapping, kept as the cause
     report_all(listeners, RunFinished(state))
     return state
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first error inside the exception groups that task groups wrap errors in (cancellations skipped)."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return exc
+    leaves = [_first_error(e) for e in inner]
+    errors = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
+    return errors[0] if errors else exc
 
 
 async def _drive_with_followers(

@@ -16,6 +16,10 @@ rank's dropout draws continue from its saved RNG state.
 
 from __future__ import annotations
 
+import json
+import random
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from workers import rank as worker
 
 import lamploop
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _runs(workdir: Path, strategy: str) -> list[dict[str, Any]]:
@@ -93,3 +97,87 @@ def test_resuming_at_the_step_boundary_ends_bitwise_equal(workdir: Path, strateg
         expected = worker.tensors(workdir, f"full-{strategy}", name)
         for key in expected:
             assert torch.equal(got[key], expected[key]), f"{name} {key}"
+
+
+# --- fit, with real signals -------------------------------------------------------------------
+
+KILLS = 20
+EVERY_N_STEPS = 3
+
+
+def _fit(procs: worker.Processes, name: str, out: Path) -> Any:
+    command = [
+        worker.sys.executable,
+        str(worker.WORKER_SCRIPT),
+        "fit",
+        str(out),
+        "stoppable",
+        str(EVERY_N_STEPS),
+    ]
+    return procs.start(name, command)
+
+
+def _result(out: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    result = json.loads((out / "result.json").read_text())
+    return result["state"], worker.load_file(str(out / "params.safetensors"))
+
+
+def _assert_same(out: Path, reference: Path) -> None:
+    state, params = _result(out)
+    expected_state, expected_params = _result(reference)
+    assert state == expected_state  # the learning curve, bit for bit
+    for key, value in expected_params.items():
+        assert torch.equal(params[key], value), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    with worker.Processes(out) as procs:
+        _fit(procs, "root", out)
+        assert procs.wait("root", 120) == 0, procs.logs()
+    return out
+
+
+def test_sigterm_on_the_root_stops_at_a_step_and_the_next_run_resumes_there(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    with worker.Processes(tmp_path) as procs:
+        root = _fit(procs, "root", tmp_path)
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "checkpoints").glob("epoch-000002*")):  # inside epoch 2
+            assert root.poll() is None, procs.logs()
+            assert time.monotonic() < deadline, procs.logs()
+            time.sleep(0.02)
+        time.sleep(random.uniform(0.05, 0.3))
+        root.send_signal(signal.SIGTERM)
+        assert procs.wait("root", 60) == 143, procs.logs()
+        assert "stopped by SIGTERM at epoch" in procs.log("root"), procs.logs()
+        latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+        assert "-step-" in latest, latest  # a checkpoint at the step boundary, inside the epoch
+        _fit(procs, "again", tmp_path)
+        assert procs.wait("again", 120) == 0, procs.logs()
+    _assert_same(tmp_path, uninterrupted)
+
+
+def test_twenty_sigkills_at_random_moments_lose_nothing(uninterrupted: Path, tmp_path: Path) -> None:
+    latest = tmp_path / "checkpoints" / "latest"
+    with worker.Processes(tmp_path) as procs:
+        for kill in range(KILLS):
+            proc = _fit(procs, f"try{kill}", tmp_path)
+            seen = latest.read_text() if latest.exists() else ""
+            deadline = time.monotonic() + 60
+            # Once training has moved on (a new checkpoint), kill at a random moment.
+            while (latest.read_text() if latest.exists() else "") == seen and proc.poll() is None:
+                assert time.monotonic() < deadline, procs.logs()
+                time.sleep(0.01)
+            time.sleep(random.uniform(0.0, 0.2))
+            if proc.poll() is None:
+                worker.os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            assert not (tmp_path / "result.json").exists(), (
+                f"the run finished after {kill} kills: make it longer"
+            )
+        _fit(procs, "last", tmp_path)
+        assert procs.wait("last", 120) == 0, procs.logs()
+    _assert_same(tmp_path, uninterrupted)

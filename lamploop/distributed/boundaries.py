@@ -75,6 +75,8 @@ class RankBoundary:
     Args:
         collectives: the process group's, or ``None`` with one rank.
         stop: this rank's stop request.
+        keep_rngs: at the end of every pass, send every rank's RNG states to the root
+            (:attr:`kept_rngs`), for the checkpoint at the end of the epoch.
         epoch, lr_factor: the epoch in progress and its factor (set by the replica per epoch).
         save: the root's :data:`SavePosition` (``None`` on followers).
         every_steps, every_seconds: the root's checkpoint cadence inside an epoch (``None``: never).
@@ -85,11 +87,14 @@ class RankBoundary:
         collectives: Collectives | None,
         stop: StopRequest,
         *,
+        keep_rngs: bool = False,
         save: SavePosition | None = None,
         every_steps: int | None = None,
         every_seconds: float | None = None,
     ) -> None:
         self._collectives = collectives
+        self._keep_rngs = keep_rngs
+        self.kept_rngs: list[RngStates] = []
         self._stop = stop
         self._save = save
         self._every_steps = every_steps
@@ -110,14 +115,21 @@ class RankBoundary:
         )
         return due, self._stop.is_set()
 
+    def _gather(self, mine: dict[str, Any], what: str) -> list[dict[str, Any]]:
+        return [mine] if self._collectives is None else self._collectives.gather_json(mine, what)
+
+    def keep_rng_states(self) -> None:
+        """Every rank, at the end of a pass: the root keeps every rank's RNG states (if asked to)."""
+        if self._keep_rngs:
+            everyone = self._gather({"rng": rng_to_json(RngStates.capture())}, "RNG states")
+            self.kept_rngs = [rng_from_json(rank["rng"]) for rank in everyone]
+
     async def reached(self, progress: StepProgress, *, stop: bool) -> None:
         mine: dict[str, Any] = {
             "progress": [progress.loss_sum, progress.example_count],
             "rng": rng_to_json(RngStates.capture()),
         }
-        everyone: list[dict[str, Any]] = (
-            [mine] if self._collectives is None else self._collectives.gather_json(mine, "step boundary")
-        )
+        everyone = self._gather(mine, "step boundary")
         self._last = time.monotonic()
         if self._save is None:
             return

@@ -107,6 +107,7 @@ class _RootEpochs:
         self.state = init_state.loop_state if init_state is not None else LoopState()
         self.schedule_state = schedule_state  # what the epoch in progress was asked with
         self.next_epoch = self.state.epoch
+        self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
@@ -133,9 +134,8 @@ class _RootEpochs:
         except EpochStopped as stopped:
             reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else "a request"
             steps = stopped.progress.steps_done
-            msg = (
-                f"stopped by {reason} at epoch {self.next_epoch} after step {steps}; a checkpoint was written"
-            )
+            saved = "; a checkpoint was written there" if self.checkpoint_position is not None else ""
+            msg = f"stopped by {reason} at epoch {self.next_epoch} after step {steps}{saved}"
             raise TrainingInterrupted(msg, epoch=self.next_epoch, steps_done=steps, reason=reason) from None
 
     async def validate(self) -> float:
@@ -147,6 +147,14 @@ class _RootEpochs:
 
     async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
         self.state, self.schedule_state, self.next_epoch = state, schedule_state, state.epoch
+        if self.checkpoint_position is not None:
+            # The start of the next epoch is a step boundary too: step 0, with every rank's RNG states.
+            start = EpochPosition(state.epoch, 0.0, 0, 0, (0.0,) * self.nranks, (0,) * self.nranks)
+            boundary = self.replica.boundary
+            rngs = (
+                boundary.kept_rngs if boundary is not None and boundary.kept_rngs else [RngStates.capture()]
+            )
+            await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
         if self.checkpoint_state is not None:
             await self.checkpoint_state(self._data(state), schedule_state)
 
@@ -207,8 +215,9 @@ async def drive_distributed_training(
         bucket_cap_mb: gradient bucket size.
         collective_timeout: seconds before a collective whose peers are all alive but never
             arrive fails (lost ranks are found by the control channel long before).
-        checkpoint_position: writes a checkpoint at a step boundary inside an epoch (e.g.
-            :meth:`lamploop.checkpoint.Checkpointer.save_position`): when ``stop`` is
+        checkpoint_position: writes a checkpoint at a step boundary (e.g.
+            :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
+            states: after every epoch (position: step 0 of the next epoch), when ``stop`` is
             requested, and every ``checkpoint_every_n_steps`` steps or
             ``checkpoint_every_seconds`` seconds.
         init_position, init_rank_rngs: resume at this step boundary of ``init_state``'s
@@ -276,7 +285,7 @@ async def drive_distributed_training(
         settings=settings,
         stop=stop if stop is not None else StopRequest(),
         save=save if checkpoint_position is not None else None,
-        resume=(init_position, init_rank_rngs) if init_position is not None else None,
+        resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
     )
     schedule_state = (
         learning_rate_schedule_init_state

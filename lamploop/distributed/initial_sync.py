@@ -95,17 +95,36 @@ def initial_sync(
 
 
 def share_resume_point(
-    collectives: Collectives, resume: tuple[EpochPosition, Sequence[RngStates]] | None
-) -> EpochPosition | None:
-    """The root's step boundary to resume at, on every rank; each rank restores its RNG states there."""
+    collectives: Collectives,
+    resume: tuple[EpochPosition | None, Sequence[RngStates]] | None,
+    keep_rngs: bool,
+) -> tuple[EpochPosition | None, bool]:
+    """What the root resumes from, on every rank: the step boundary (if any), and whether to keep RNG states.
+
+    Each rank restores its own RNG states from the checkpoint when it holds every rank's.
+    ``keep_rngs`` (the root's: does it checkpoint?) tells every rank to send its RNG states
+    to the root at the end of every pass, for the epoch-boundary checkpoints.
+    """
     payload = None
-    if collectives.rank == 0 and resume is not None:
-        position, rngs = resume
-        payload = {"position": attrs.asdict(position), "rngs": [rng_to_json(rng) for rng in rngs]}
+    if collectives.rank == 0:
+        position, rngs = resume if resume is not None else (None, ())
+        payload = {
+            "position": attrs.asdict(position) if position is not None else None,
+            "rngs": [rng_to_json(rng) for rng in rngs],
+            "keep_rngs": keep_rngs,
+        }
     shared = collectives.broadcast_json(payload, "resume point")
-    if shared is None:
-        return None
+    saved = len(shared["rngs"])
+    if saved == collectives.nranks:
+        rng_from_json(shared["rngs"][collectives.rank]).restore()
+    elif saved > 1:
+        msg = f"the checkpoint holds the RNG states of {saved} ranks, this run has {collectives.nranks}"
+        raise DistributedError(msg)
+    elif saved == 1 and collectives.rank == 1:
+        logger.warning("the checkpoint holds the root's RNG states only: followers start from their own")
     raw = shared["position"]
+    if raw is None:
+        return None, bool(shared["keep_rngs"])
     position = EpochPosition(
         epoch=int(raw["epoch"]),
         lr_factor=float(raw["lr_factor"]),
@@ -114,9 +133,4 @@ def share_resume_point(
         loss_sums=tuple(float(v) for v in raw["loss_sums"]),
         example_counts=tuple(int(v) for v in raw["example_counts"]),
     )
-    if len(shared["rngs"]) != collectives.nranks:
-        saved = len(shared["rngs"])
-        msg = f"the checkpoint holds the RNG states of {saved} ranks, this run has {collectives.nranks}"
-        raise DistributedError(msg)
-    rng_from_json(shared["rngs"][collectives.rank]).restore()
-    return position
+    return position, bool(shared["keep_rngs"])

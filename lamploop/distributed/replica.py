@@ -7,7 +7,6 @@ what runs next (the root's epoch loop, or the commands a follower receives).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -119,17 +118,17 @@ class Replica:
         return await self._run(self.validation_batches, epoch, forward_only=True)
 
     async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
-        return await self.run_epoch(
-            functools.partial(
-                one_epoch,
-                model=self.model,
-                batches=batches(self._context(epoch)),
-                channel=self.channel,
-                device=self.device,
-                epoch=epoch,
-                **how,
+        stream = batches(self._context(epoch))
+
+        async def one_pass() -> float:
+            loss = await one_epoch(
+                model=self.model, batches=stream, channel=self.channel, device=self.device, epoch=epoch, **how
             )
-        )
+            if self.boundary is not None:
+                self.boundary.keep_rng_states()  # for the checkpoint at the end of the epoch
+            return loss
+
+        return await self.run_epoch(one_pass)
 
 
 @attrs.frozen(kw_only=True)
@@ -157,7 +156,7 @@ class RankPlan:
     settings: TrainingSettings
     stop: StopRequest = attrs.field(factory=StopRequest)
     save: SavePosition | None = None
-    resume: tuple[EpochPosition, Sequence[RngStates]] | None = None
+    resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
 
     def replica(
         self,
@@ -183,10 +182,11 @@ class RankPlan:
         )
 
 
-def _boundary(plan: RankPlan, collectives: Collectives | None) -> RankBoundary:
+def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) -> RankBoundary:
     return RankBoundary(
         collectives,
         plan.stop,
+        keep_rngs=keep_rngs,
         save=plan.save,
         every_steps=plan.settings.checkpoint_every_n_steps,
         every_seconds=plan.settings.checkpoint_every_seconds,
@@ -207,12 +207,14 @@ async def open_replica(
         resume_at = None
         if plan.resume is not None:
             resume_at, rngs = plan.resume
-            rngs[0].restore()
-        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, _boundary(plan, None), resume_at)
+            if rngs:
+                rngs[0].restore()
+        boundary = _boundary(plan, None, plan.save is not None)
+        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at)
         return
     store = await connect()
 
-    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None]:
+    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool]:
         group = new_process_group(
             store,
             rank=plan.rank,
@@ -230,17 +232,16 @@ async def open_replica(
             abort=abort,
         )
         strategy, optimizer = initial_sync(collectives, plan.model.module, plan.optimizer, settings.strategy)
-        resume_at = share_resume_point(collectives, plan.resume)
+        resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
         channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
-        return channel, optimizer, resume_at
+        return channel, optimizer, resume_at, keep_rngs
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
-    channel, optimizer, resume_at = await run_on_worker(join, abort)
+    channel, optimizer, resume_at, keep_rngs = await run_on_worker(join, abort)
     failed = True
     try:
-        yield plan.replica(
-            channel, optimizer, worker_runner(abort), _boundary(plan, channel.collectives), resume_at
-        )
+        boundary = _boundary(plan, channel.collectives, keep_rngs)
+        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

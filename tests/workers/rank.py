@@ -504,18 +504,62 @@ def fit_kwargs(rank: int, batch_size: int) -> dict[str, Any]:
     }
 
 
-def fit_main(out: Path, mode: str) -> int:
+def checkpointed_fit_kwargs(rank: int, out: Path, every_n_steps: int | None) -> dict[str, Any]:
+    """A longer run with dropout that checkpoints into ``out/checkpoints`` (the ``stoppable`` mode)."""
+    generator = torch.Generator().manual_seed(4321)
+    x = torch.randn(480, IN_FEATURES, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (480,), generator=generator)
+    torch.manual_seed(17 + rank)  # the dropout draws of each rank
+    base = iterable_batches_sleeping(lamploop.tensor_batches(x[:400], y[:400], batch_size=8, seed=5), 0.02)
+    return {
+        "model": lamploop.SupervisedModel(make_module({"seed": 8, "hidden": 16, "dropout": 0.25}, rank)),
+        "optimizer_factory": optimizer_factory({"name": "adam", "lr": 0.02}),
+        "train_batches": base,
+        "validation_batches": lamploop.tensor_batches(x[400:], y[400:], batch_size=40, shuffle=False),
+        "max_epochs": 10,
+        "learning_rate_schedule": lamploop.decrement(2, 0.7),
+        "checkpoint_dir": out / "checkpoints",
+        "keep_last": 2,
+        "checkpoint_every_n_steps": every_n_steps,
+    }
+
+
+def iterable_batches_sleeping(inner: BatchStreamFactory, seconds: float) -> BatchStreamFactory:
+    """``inner``'s batches, with a short sleep before each (a run long enough to interrupt)."""
+
+    def factory(context: BatchContext) -> AsyncIterator[Batch]:
+        async def stream() -> AsyncIterator[Batch]:
+            async for batch in inner(context):
+                await anyio.sleep(seconds)
+                yield batch
+
+        return stream()
+
+    return factory
+
+
+def fit_main(out: Path, mode: str, every_n_steps: int | None = None) -> int:
     env = launch_env()
     rank = env.rank if env is not None else 0
     if rank == 0:
         warm_up_optimizers()
     extra: dict[str, Any] = {}
-    if mode == "spawn":
+    if mode in ("spawn", "stoppable"):
         # fit starts rank 1 itself; the non-default strategy also checks that fit passes it on.
         command = [sys.executable, str(Path(__file__).resolve()), "fit", str(out), mode]
+        if every_n_steps is not None:
+            command.append(str(every_n_steps))
         extra = {"world_size": 2, "launch_command": command, "strategy": "reduce_to_root"}
-    kwargs = fit_kwargs(rank, FIT_BATCH)
-    state = lamploop.fit(**kwargs, **extra)
+    if mode == "stoppable":
+        extra["strategy"] = "all_reduce"
+        kwargs = checkpointed_fit_kwargs(rank, out, every_n_steps)
+    else:
+        kwargs = fit_kwargs(rank, FIT_BATCH)
+    try:
+        state = lamploop.fit(**kwargs, **extra)
+    except lamploop.errors.TrainingInterrupted as exc:
+        print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 143 if exc.reason == "SIGTERM" else 130
     who = {
         "launcher": env.launcher if env else None,
         "rank": rank,
@@ -680,8 +724,8 @@ def main(argv: list[str]) -> int:
         if any(run["members"][0] == process for run in config["runs"]):
             warm_up_optimizers()
         return anyio.run(run_all, config, process)
-    if len(argv) == 3 and argv[0] == "fit":
-        return fit_main(Path(argv[1]), argv[2])
+    if len(argv) in (3, 4) and argv[0] == "fit":
+        return fit_main(Path(argv[1]), argv[2], int(argv[3]) if len(argv) == 4 else None)
     print(__doc__, file=sys.stderr)
     return 2
 

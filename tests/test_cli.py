@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_a_failed_run_is_one_line_on_stderr_and_status_1(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path) -> None:
+def test_ctrl_c_stops_after_the_step_with_one_line_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     proc = subprocess.Popen(
         [*COMMAND, "demo", "--epochs", "500", "--out", str(out)],
@@ -60,4 +61,10 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
     assert proc.returncode == EXIT_INTERRUPTED, err
-    assert err.strip().splitlines() == ["lamploop: interrupted"], err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.fullmatch(
+        r"lamploop: stopped by SIGINT at epoch \d+ after step \d+; a checkpoint was written there", lines[0]
+    )
+    # The next run resumes from that step boundary.
+    assert "-step-" in (out / "latest").read_text()

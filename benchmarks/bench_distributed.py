@@ -82,19 +82,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import lamploop.process_group
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lamploop.process_group import DEFAULT_BUCKET_CAP_MB, ProcessGroupChannel
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import lamploop
+import lamploop.sync.buckets
 from lamploop import BatchContext, SupervisedModel, iterable_batches, model_spec, one_epoch
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed import drive_distributed_training, follow_distributed_training
+from lamploop.settings import DEFAULT_BUCKET_CAP_MB
+from lamploop.sync.group_channel import ProcessGroupChannel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -125,12 +126,13 @@ BREAKDOWN_FIRST_CAP_MB = 8.1
 constant, patched in the worker only), which gives DDP's layout for this MLP."""
 
 DDP = "ddp"
+DDP_TUNED = "ddp bucket_view"
 ALL_REDUCE = "lamploop all_reduce"
 REDUCE_TO_ROOT = "lamploop reduce_to_root"
 LOCAL_1 = "local 1 process"
 LOCAL_2 = "local 2 processes"
-CONTENDERS = (DDP, ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_1, LOCAL_2)
-GROUPS = ((DDP, ALL_REDUCE, REDUCE_TO_ROOT), (LOCAL_1, LOCAL_2))
+CONTENDERS = (DDP, DDP_TUNED, ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_1, LOCAL_2)
+GROUPS = ((DDP, DDP_TUNED, ALL_REDUCE, REDUCE_TO_ROOT), (LOCAL_1, LOCAL_2))
 """A round runs the groups in turn, each in an order rotated by the round number, so the
 contenders compared with DDP always run right next to it."""
 DIRECT_OF = {"all_reduce": ALL_REDUCE, "reduce_to_root": REDUCE_TO_ROOT}
@@ -270,6 +272,18 @@ class Worker:
 
         self.modules[DDP] = module
         self.runners[DDP] = run
+        # The baseline a user would tune: gradients are views into DDP's buckets (no copies).
+        tuned_module = copy.deepcopy(self.base)
+        tuned = DistributedDataParallel(
+            tuned_module, process_group=dist.new_group(backend="gloo"), gradient_as_bucket_view=True
+        )
+        tuned_optimizer = make_optimizer(tuned.parameters())
+
+        async def run_tuned(batches: Batches, marks: list[float]) -> float:
+            return hand_epoch(tuned, tuned_optimizer, batches, marks)
+
+        self.modules[DDP_TUNED] = tuned_module
+        self.runners[DDP_TUNED] = run_tuned
         self.add_lamploop(ALL_REDUCE, "all_reduce")
         self.add_lamploop(REDUCE_TO_ROOT, "reduce_to_root")
         self.add_local(LOCAL_1, alone=True)
@@ -289,24 +303,23 @@ class Worker:
         ``first_cap_mb`` replaces lamploop's first-bucket cap (a module constant) while this
         contender's buckets are laid out, in this worker process only.
         """
-        channel = ProcessGroupChannel(
+        channel = ProcessGroupChannel.of_group(
             group if group is not None else self.new_group(f"lamploop-{name}"),
             rank=self.rank,
             nranks=WORLD_SIZE,
             device=torch.device("cpu"),
-            strategy=strategy,  # type: ignore[arg-type]
+            strategy=strategy,
             bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
         )
         module = copy.deepcopy(self.base)
-        channel.attach(module)
         optimizer = make_optimizer(module.parameters())
         if first_cap_mb is not None:
-            saved = lamploop.process_group._FIRST_BUCKET_CAP_MB
-            lamploop.process_group._FIRST_BUCKET_CAP_MB = first_cap_mb
-            try:  # one_epoch asks for the same parameter list, so it gets these buckets
-                channel.gradient_sync(list(module.parameters()))
+            saved = lamploop.sync.buckets.FIRST_BUCKET_CAP_MB
+            lamploop.sync.buckets.FIRST_BUCKET_CAP_MB = first_cap_mb  # type: ignore[misc]
+            try:  # one_epoch asks for the same module, so it gets these buckets
+                channel.gradient_sync(module)
             finally:
-                lamploop.process_group._FIRST_BUCKET_CAP_MB = saved
+                lamploop.sync.buckets.FIRST_BUCKET_CAP_MB = saved  # type: ignore[misc]
         if not register:
             return channel, module, optimizer
         steps_here = strategy == "all_reduce" or self.rank == 0
@@ -402,16 +415,17 @@ class Worker:
         buckets = [int(s) for s in sizes.split(",") if s.strip()]
         out: dict[str, Any] = {DDP: {"gradient_buckets_bytes": buckets, "collectives_per_step": len(buckets)}}
         for name, channel in self.channels.items():
-            for sync in channel._syncs.values():
-                grads = [nbytes(f) for f in sync._grads.flats]
+            for sync in channel.syncs():
+                grads = sync.bucket_bytes()  # type: ignore[attr-defined]
                 entry: dict[str, Any] = {
                     "gradient_buckets_bytes": grads,
                     "collectives_per_step": 1 + len(grads),  # the example count, then the buckets
                     "collectives_per_epoch_extra": 1,  # the final all-reduce of the loss sum and count
                 }
-                if channel.strategy == "reduce_to_root":
-                    entry["parameter_broadcast_buckets_bytes"] = [nbytes(f) for f in sync._params_flat.flats]
-                    entry["collectives_per_step"] += len(sync._params_flat.flats)
+                if channel.strategy.name == "reduce_to_root":
+                    broadcasts = sync.parameter_bucket_bytes()  # type: ignore[attr-defined]
+                    entry["parameter_broadcast_buckets_bytes"] = broadcasts
+                    entry["collectives_per_step"] += len(broadcasts)
                 out[name] = entry
         return out
 
@@ -625,7 +639,7 @@ class Worker:
 
         async def run(batches: Batches, marks: list[float]) -> float:
             module.train()
-            sync = channel.gradient_sync(list(module.parameters()))
+            sync = channel.gradient_sync(module)
             losses, count = [], 0
             for x, y in batches:
                 recording.launches.clear()
@@ -637,17 +651,17 @@ class Worker:
                     pending = recording.allreduce([counts])
                 else:
                     global_count = int(channel.all_reduce_sum([n])[0])
-                sync.arm()
+                sync.last_backward()
                 t2 = time.perf_counter()
                 (loss_sum / global_count if prescale else loss_sum).backward()
                 t3 = time.perf_counter()
                 if async_count:
                     pending.wait()
                     global_count = int(counts.item())
-                sync.finish(1.0)  # the wait alone; the scaling pass that finish() would do follows
+                sync.reduce(1.0)  # the wait alone; the scaling pass that reduce() would do follows
                 t4 = time.perf_counter()
                 if not prescale:
-                    for flat in sync._grads.flats:
+                    for flat in sync._buckets._grads.flats:  # type: ignore[attr-defined]  # a diagnostic
                         flat.mul_(1.0 / global_count)
                 t5 = time.perf_counter()
                 optimizer.step()
@@ -669,7 +683,7 @@ class Worker:
                     }
                 )
                 launches.append([(t - t3, size) for t, size in recording.launches[1:]])  # not the count
-            sync.flush()
+            sync.end_pass()
             total, _ = channel.all_reduce_sum([float(torch.stack(losses).sum()), count])
             return total
 
@@ -850,6 +864,12 @@ def per_contender(records: list[dict[str, Any]], steps: int, contenders: Sequenc
                 [r["steady_step_s"] / d["steady_step_s"] for r, d in pairs]
             )
             entry["ratio_cpu_over_ddp"] = summarize([sum(r["cpu_s"]) / sum(d["cpu_s"]) for r, d in pairs])
+        if name not in (DDP, DDP_TUNED):
+            tuned = [rounds[DDP_TUNED] for rounds in by_round.values()]
+            pairs = list(zip(mine, tuned, strict=True))
+            entry["ratio_wall_over_ddp_tuned"] = summarize([r["wall_s"] / d["wall_s"] for r, d in pairs])
+            cpu = [sum(r["cpu_s"]) / sum(d["cpu_s"]) for r, d in pairs]
+            entry["ratio_cpu_over_ddp_tuned"] = summarize(cpu)
         out[name] = entry
     return out
 
@@ -866,13 +886,23 @@ def spread(s: dict[str, float], fmt: Callable[[float], str]) -> str:
     return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
 
 
+def _ratio_or_dash(summary: dict[str, Any], key: str) -> str:
+    """``median [min-max]``, marked inconclusive when the range straddles 1."""
+    if key not in summary:
+        return "-"
+    s = summary[key]
+    mark = " inconclusive" if s["min"] < 1.0 < s["max"] else ""
+    return spread(s, lambda v: f"{v:.3f}") + mark
+
+
 def contender_table(summary: dict[str, Any], layout: dict[str, Any], check: dict[str, float]) -> None:
     headers = [
         "contender",
         "wall ms/step med [min-max]",
         "/ DDP med [min-max]",
+        "/ tuned DDP med [min-max]",
+        "CPU / tuned DDP",
         "steady ms/step",
-        "/ DDP",
         "CPU ms/step/rank",
         "colls/step",
         "max|Δparam|",
@@ -888,8 +918,9 @@ def contender_table(summary: dict[str, Any], layout: dict[str, Any], check: dict
                 name,
                 spread(s["wall_per_step_s"], ms),
                 spread(s["ratio_wall_over_ddp"], lambda v: f"{v:.3f}") if name != DDP else "1",
+                _ratio_or_dash(s, "ratio_wall_over_ddp_tuned"),
+                _ratio_or_dash(s, "ratio_cpu_over_ddp_tuned"),
                 ms(s["steady_step_s"]["median"]),
-                f"{s['ratio_steady_over_ddp']['median']:.3f}" if name != DDP else "1",
                 ms(s["cpu_per_step_per_rank_s"]["median"]),
                 str(layout.get(name, {}).get("collectives_per_step", 0)),
                 f"{check[name]:.1e}" if name in check else "-",

@@ -85,7 +85,6 @@ def main() -> int:
 
     def lamploop_nccl(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=torch.device(device))
-        channel.attach(module)
         model = lamploop.SupervisedModel(module)
         anyio.run(
             lambda: lamploop.one_epoch(

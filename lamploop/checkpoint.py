@@ -44,6 +44,7 @@ run, the root rank).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.metadata
@@ -56,6 +57,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -270,6 +272,7 @@ class _Descriptor:
     # Format 2: a checkpoint at a step boundary inside an epoch, with every rank's RNG states.
     position: EpochPosition | None = None
     rank_rngs: list[_RngRecord] = attrs.Factory(list)
+    sequence: int = 0
 
 
 def _to_json(value: Any, level: int = 0) -> str:
@@ -337,24 +340,18 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _hash_and_fsync(path: pathlib.Path) -> _FileRecord:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "r+b") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
-    return _FileRecord(sha256=digest.hexdigest(), size=size)
-
-
 def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: str) -> _FileRecord:
+    """Serialize, then write, hash and fsync in one pass (the bytes are hashed, not read back)."""
     try:
-        safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+        data = safetensors.torch.save(tensors, metadata={"format": "pt"})
     except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as e:
         msg = f"{what}: safetensors cannot store these tensors: {e}"
         raise CheckpointError(msg) from e
-    return _hash_and_fsync(path)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return _FileRecord(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
 
 
 def _host_tag() -> str:
@@ -404,13 +401,37 @@ def _checkpoint_dirs(root: pathlib.Path) -> list[pathlib.Path]:
     return [p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
 
 
-def _saved_at(directory: pathlib.Path) -> tuple[int, str]:
-    """When a checkpoint was saved (the descriptor's clock, else the directory's mtime), then its name."""
+def _saved_at(directory: pathlib.Path) -> tuple[int, int, str]:
+    """The order checkpoints were saved in: the descriptor's save sequence, then its clock, then the name.
+
+    The sequence (format 2) counts saves into the root, so a clock that jumps back cannot
+    make an older checkpoint look newer; format 1 descriptors (sequence 0) fall back on
+    their clock, and a directory without a readable descriptor on its mtime.
+    """
     try:
         with open(directory / DESCRIPTOR_NAME, encoding="utf-8") as f:
-            return int(json.load(f)["saved_at_unix_ns"]), directory.name
-    except (OSError, ValueError, KeyError, TypeError):
-        return directory.stat().st_mtime_ns, directory.name
+            raw = json.load(f)
+        return int(raw.get("sequence", 0)), int(raw["saved_at_unix_ns"]), directory.name
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, directory.stat().st_mtime_ns, directory.name
+
+
+def _next_sequence(root: pathlib.Path) -> int:
+    return 1 + max((_saved_at(p)[0] for p in _checkpoint_dirs(root)), default=0)
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return bool(result == 0)
 
 
 def _write_latest(root: pathlib.Path, name: str) -> None:
@@ -584,6 +605,7 @@ def save_checkpoint(
             files=files,
             position=position,
             rank_rngs=rank_records,
+            sequence=_next_sequence(root),
         )
         with open(temp / DESCRIPTOR_NAME, "w", encoding="utf-8") as f:
             f.write(_to_json(converter.unstructure(descriptor)) + "\n")
@@ -592,8 +614,13 @@ def save_checkpoint(
         _fsync_dir(temp)
         final = root / name
         replaced: pathlib.Path | None = None
-        if final.exists():
-            # rename() cannot replace a non-empty directory: move the old one aside first.
+        if final.exists() and _exchange(temp, final):
+            # The new copy took the old one's place in one step; the old one is now at temp.
+            replaced = root / _temp_name(f"trash-{name}")
+            os.rename(temp, replaced)
+        elif final.exists():
+            # Without an atomic exchange: move the old one aside first (latest names it
+            # meanwhile; a load then falls back to the newest valid checkpoint).
             replaced = root / _temp_name(f"trash-{name}")
             os.rename(final, replaced)
             try:
@@ -662,8 +689,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
     except FileNotFoundError:
         if not root.is_dir():
             return None
-        complete = [p for p in _checkpoint_dirs(root) if (p / DESCRIPTOR_NAME).is_file()]
-        return max(complete, key=_saved_at, default=None)
+        return _newest_complete(root)
     except (OSError, UnicodeDecodeError) as e:
         msg = f"{pointer}: cannot read the latest-checkpoint pointer: {e}"
         raise CheckpointError(msg) from e
@@ -673,9 +699,21 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
         raise CheckpointError(msg)
     target = root / name
     if not target.is_dir():
-        msg = f"{pointer}: names {name}, but {target} does not exist"
-        raise CheckpointError(msg)
+        fallback = _newest_complete(root)
+        if fallback is None:
+            msg = f"{pointer}: names {name}, but {target} does not exist"
+            raise CheckpointError(msg)
+        _log.warning(
+            "%s names %s, which does not exist; using %s, the newest saved", pointer, name, fallback.name
+        )
+        return fallback
     return target
+
+
+def _newest_complete(root: pathlib.Path, *, but: pathlib.Path | None = None) -> pathlib.Path | None:
+    """The most recently saved checkpoint directory with a descriptor (other than ``but``)."""
+    complete = [p for p in _checkpoint_dirs(root) if (p / DESCRIPTOR_NAME).is_file() and p != but]
+    return max(complete, key=_saved_at, default=None)
 
 
 def _resolve(path: str | os.PathLike[str]) -> pathlib.Path:
@@ -842,6 +880,33 @@ def load_checkpoint(
             that does not fit ``schedule``.
     """
     directory = _resolve(path)
+    if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
+        return _load_directory(directory, schedule, model, restore_rng)
+    # The root: its latest checkpoint, or else the newest valid one saved before it.
+    first_error: CheckpointError | None = None
+    tried: set[pathlib.Path] = set()
+    candidate: pathlib.Path | None = directory
+    while candidate is not None:
+        try:
+            return _load_directory(candidate, schedule, model, restore_rng)
+        except CheckpointError as e:
+            first_error = first_error or e
+            tried.add(candidate)
+            _log.warning("skipping the checkpoint %s: %s", candidate, e)
+        remaining = [p for p in _checkpoint_dirs(directory.parent) if p not in tried]
+        candidate = max(
+            (p for p in remaining if (p / DESCRIPTOR_NAME).is_file()), key=_saved_at, default=None
+        )
+    raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
+
+
+def _load_directory(
+    directory: pathlib.Path,
+    schedule: LearningRateSchedule[Any] | None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    restore_rng: bool,
+) -> Checkpoint:
+    """Load and validate one checkpoint directory (see :func:`load_checkpoint`)."""
     descriptor_path = directory / DESCRIPTOR_NAME
     descriptor = _read_descriptor(descriptor_path)
     if model is not None:

@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -345,17 +346,17 @@ def test_a_failed_save_leaves_no_temporary_and_keeps_latest(
     state, _, _ = full_state()
     save_checkpoint(tmp_path, _state_at(state, 1))
     calls = 0
-    real_save_file = safetensors.torch.save_file
+    real_save = safetensors.torch.save
 
-    def failing_save_file(*args: Any, **kwargs: Any) -> None:
+    def failing_save(*args: Any, **kwargs: Any) -> bytes:
         nonlocal calls
         calls += 1
         if calls == 3:
             msg = "No space left on device"
             raise OSError(28, msg)
-        real_save_file(*args, **kwargs)
+        return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save_file)
+    monkeypatch.setattr(safetensors.torch, "save", failing_save)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(tmp_path, _state_at(state, 2))
     assert entries(tmp_path) == ["epoch-000001", "latest"]
@@ -488,8 +489,10 @@ def test_missing_descriptor(saved: pathlib.Path) -> None:
 
 
 def test_latest_naming_a_missing_directory(saved: pathlib.Path) -> None:
+    """With no other checkpoint to fall back on, the refusal names the pointer and its target."""
     root = saved.parent
     (root / "latest").write_text("epoch-000099\n")
+    shutil.rmtree(saved)
     message = refusal(root)
     assert str(root / "latest") in message
     assert "epoch-000099" in message

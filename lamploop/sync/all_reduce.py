@@ -44,6 +44,10 @@ class AllReduceSync:
             bucket_cap_mb=bucket_cap_mb,
         )
 
+    def bucket_bytes(self) -> list[int]:
+        """The gradient buckets' sizes in bytes, in launch order (for reports)."""
+        return self._buckets.bucket_bytes()
+
     def begin_pass(self) -> None:
         self._buckets.clear()
 

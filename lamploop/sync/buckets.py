@@ -136,6 +136,10 @@ class BucketedReduction:
         while len(self._works) < len(self._ready) and self._ready[len(self._works)]:
             self._works.append(self._launch_one([self._grads.flats[len(self._works)]]))
 
+    def bucket_bytes(self) -> list[int]:
+        """The size of each gradient bucket in bytes, in launch order."""
+        return [flat.numel() * flat.element_size() for flat in self._grads.flats]
+
     def arm(self) -> None:
         """The next backward is the step's last: launch buckets as they fill."""
         self._armed = True

@@ -71,6 +71,10 @@ class ProcessGroupChannel:
             self._syncs[id(module)] = sync
         return sync
 
+    def syncs(self) -> list[GradientSync]:
+        """The gradient syncs made so far (for reports)."""
+        return list(self._syncs.values())
+
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         return self.collectives.sum(values).wait()
 

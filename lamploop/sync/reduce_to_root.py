@@ -32,6 +32,7 @@ class _ParameterBroadcast:
     ) -> None:
         self._collectives = collectives
         self._flat = FlatBuckets(params, bucket_layout(params, bucket_cap_mb))
+        self.flats = self._flat.flats
         with torch.no_grad():
             for i, p in enumerate(params):
                 self._flat.views[i].copy_(p)
@@ -89,6 +90,10 @@ class ReduceToRootSync(AllReduceSync):
             keeps_result=collectives.rank == 0,
         )
         self._parameters = _ParameterBroadcast(collectives, self._buckets.params, modules, bucket_cap_mb)
+
+    def parameter_bucket_bytes(self) -> list[int]:
+        """The parameter broadcast buckets' sizes in bytes (for reports)."""
+        return [flat.numel() * flat.element_size() for flat in self._parameters.flats]
 
     def after_step(self) -> None:
         super().after_step()

@@ -234,22 +234,23 @@ async def fit_async(
     rank_settings = settings.for_every_rank()
     stop = StopRequest()
     if place.env is not None and place.rank > 0:
+        follow = functools.partial(
+            follow_distributed_training,
+            stop=stop,
+            rank=place.rank,
+            nranks=place.nranks,
+            device=place.device,
+            model=model,
+            train_batches=train_batches,
+            validation_batches=validation_batches,
+            optimizer_factory=optimizer_factory,
+            **rank_settings,
+        )
         async with (
             _stop_on_signals(stop),
-            open_follower_control(place.env, model_spec=spec, **heartbeat) as follower,
+            open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
         ):
-            await follow_distributed_training(
-                stop=stop,
-                rank=place.rank,
-                nranks=place.nranks,
-                device=place.device,
-                control=follower,
-                model=model,
-                train_batches=train_batches,
-                validation_batches=validation_batches,
-                optimizer_factory=optimizer_factory,
-                **rank_settings,
-            )
+            await follow(control=f)
         return None
 
     resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
@@ -276,9 +277,16 @@ async def fit_async(
         **resumed,
         **attrs.asdict(settings, recurse=False),
     )
+    return await _reported(
+        _drive_with_followers(drive, place, spec, heartbeat, launch_command), stop, listeners
+    )
+
+
+async def _reported(run: Awaitable[LoopState], stop: StopRequest, listeners: Sequence[Reporter]) -> LoopState:
+    """Await the root's run under the signal handlers; report how it ended; raise its first error."""
     try:
         async with _stop_on_signals(stop) as at_once:
-            state = await _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+            state = await run
         if at_once.cancelled_caught:
             msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
             raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)

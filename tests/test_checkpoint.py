@@ -25,7 +25,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lamploop import checkpoint as ckpt
 from lamploop.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,
@@ -35,6 +34,7 @@ from lamploop.checkpoint import (
     restore_optimizer_state,
     save_checkpoint,
 )
+from lamploop.checkpoint import files as ckpt_files
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop import ALL_EPOCHS, epochs
 from lamploop.schedules import PlateauState, noop, reduce_lr_on_plateau
@@ -366,10 +366,10 @@ def test_a_failed_save_leaves_no_temporary_and_keeps_latest(
 def test_temporaries_of_dead_processes_are_removed(tmp_path: pathlib.Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    stale = tmp_path / ckpt._temp_name("epoch-000009").replace(f"-{os.getpid()}-", f"-{child.pid}-")
+    stale = tmp_path / ckpt_files._temp_name("epoch-000009").replace(f"-{os.getpid()}-", f"-{child.pid}-")
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    live = tmp_path / ckpt._temp_name("epoch-000008")  # this process: a save in progress, keep it
+    live = tmp_path / ckpt_files._temp_name("epoch-000008")  # this process: a save in progress, keep it
     live.mkdir()
     state, _, _ = full_state()
     save_checkpoint(tmp_path, state)

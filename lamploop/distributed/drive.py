@@ -34,7 +34,7 @@ import torch
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import RngStates
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
-from lamploop.distributed.boundaries import StopRequest
+from lamploop.distributed.boundaries import SavePosition, StopRequest
 from lamploop.distributed.process_group import create_store
 from lamploop.distributed.replica import RankPlan, Replica, learning_rates, open_replica
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
@@ -123,6 +123,22 @@ class _RootEpochs:
         if self.checkpoint_position is not None:
             await self.checkpoint_position(self._data(self.state), self.schedule_state, position, rngs)
 
+    async def epochs(self, settings: TrainingSettings, validates: bool) -> LoopState:
+        """Run :func:`lamploop.epochs` from where this root starts, with these effects."""
+        return await epochs(
+            max_epochs=settings.max_epochs,
+            train_epoch=self.train,
+            validation_epoch=self.validate if validates else None,
+            save_min_validation_loss_model=self.save_best,
+            checkpoint_state=self.after_epoch,
+            validation_frequency=settings.validation_frequency,
+            return_min_validation_loss_model=settings.return_min_validation_loss_model,
+            learning_rate_schedule=settings.learning_rate_schedule,
+            init_state=self.state,
+            learning_rate_schedule_init_state=self.schedule_state,
+            validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
+        )
+
     async def tell(self, command: Train | Valid | Stop) -> None:
         if self.control is not None and self.replica.channel.nranks > 1:
             await self.control.broadcast(command)
@@ -157,6 +173,36 @@ class _RootEpochs:
             await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
         if self.checkpoint_state is not None:
             await self.checkpoint_state(self._data(state), schedule_state)
+
+
+def _set_up_root(
+    module: torch.nn.Module,
+    device: torch.device,
+    optimizer_factory: OptimizerFactory,
+    init_state: LoopStateWithModelAndOptimizerData | None,
+) -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
+    """Move the module, load the state to resume from, make the optimizer; its base learning rates."""
+    module.to(device)
+    if init_state is not None:
+        module.load_state_dict(init_state.model)
+    optimizer = optimizer_factory(module.parameters())
+    base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
+    if init_state is not None and init_state.optimizer:
+        optimizer.load_state_dict(dict(init_state.optimizer))
+    return optimizer, base_lrs
+
+
+def _on_the_event_loop(roots: list[_RootEpochs]) -> SavePosition:
+    """The root's step-boundary writer: on the event loop, also when called from the training thread."""
+    loop_thread, loop_token = threading.get_ident(), anyio.lowlevel.current_token()
+
+    async def save(position: EpochPosition, rngs: Sequence[RngStates]) -> None:
+        if threading.get_ident() == loop_thread:  # one rank: the epoch runs on the event loop
+            await roots[0].save_position(position, rngs)
+        else:  # a worker thread: write on the event loop, and wait for it there
+            anyio.from_thread.run(roots[0].save_position, position, rngs, token=loop_token)
+
+    return save
 
 
 async def drive_distributed_training(
@@ -243,20 +289,11 @@ async def drive_distributed_training(
         msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
         raise ConfigurationError(msg)
     module = model.module
-
-    def set_up() -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
-        module.to(torch_device)
-        if init_state is not None:
-            module.load_state_dict(init_state.model)
-        optimizer = optimizer_factory(module.parameters())
-        base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
-        if init_state is not None and init_state.optimizer:
-            optimizer.load_state_dict(dict(init_state.optimizer))
-        return optimizer, base_lrs
-
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.
-    optimizer, base_lrs = await anyio.to_thread.run_sync(set_up)
+    optimizer, base_lrs = await anyio.to_thread.run_sync(
+        _set_up_root, module, torch_device, optimizer_factory, init_state
+    )
 
     async def connect() -> Any:
         store, port = create_store(host, nranks, settings.collective_timeout)
@@ -265,13 +302,6 @@ async def drive_distributed_training(
         return store
 
     roots: list[_RootEpochs] = []  # the root's effects, once its replica exists
-    loop_thread, loop_token = threading.get_ident(), anyio.lowlevel.current_token()
-
-    async def save(position: EpochPosition, rngs: Sequence[RngStates]) -> None:
-        if threading.get_ident() == loop_thread:  # one rank: the epoch runs on the event loop
-            await roots[0].save_position(position, rngs)
-        else:  # a worker thread: write on the event loop, and wait for it there
-            anyio.from_thread.run(roots[0].save_position, position, rngs, token=loop_token)
 
     plan = RankPlan(
         rank=0,
@@ -284,7 +314,7 @@ async def drive_distributed_training(
         validation_batches=validation_batches,
         settings=settings,
         stop=stop if stop is not None else StopRequest(),
-        save=save if checkpoint_position is not None else None,
+        save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
     )
     schedule_state = (
@@ -299,21 +329,10 @@ async def drive_distributed_training(
         roots.append(root)
         # On failure no Stop is sent: leaving the control channel without it aborts the
         # followers with the root's reason instead of ending them as if all went well.
-        run = epochs(
-            max_epochs=settings.max_epochs,
-            train_epoch=root.train,
-            validation_epoch=root.validate if validation_batches is not None else None,
-            save_min_validation_loss_model=root.save_best,
-            checkpoint_state=root.after_epoch,
-            validation_frequency=settings.validation_frequency,
-            return_min_validation_loss_model=settings.return_min_validation_loss_model,
-            learning_rate_schedule=settings.learning_rate_schedule,
-            init_state=init_state.loop_state if init_state is not None else None,
-            learning_rate_schedule_init_state=schedule_state,
-            validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
-        )
         try:
-            state = await named_peer_failures(run, control, nranks)
+            state = await named_peer_failures(
+                root.epochs(settings, validation_batches is not None), control, nranks
+            )
         except TrainingInterrupted as stopped:
             await root.tell(Stop(reason=str(stopped)))
             raise

@@ -17,11 +17,11 @@ import attrs
 import torch
 
 from lamploop.checkpoint import RngStates
+from lamploop.checkpoint.codec import decode_tree, encode_tree
 from lamploop.distributed.boundaries import rng_from_json, rng_to_json
 from lamploop.errors import DistributedError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
-from lamploop.optimizer_state import decode_tree, encode_tree
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import AUTO, SyncStrategy, strategy_named
 

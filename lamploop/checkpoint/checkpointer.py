@@ -1,0 +1,91 @@
+"""``Checkpointer``: the training drivers' checkpoint callback, saving off the event loop."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from lamploop.checkpoint.rng import RngStates
+from lamploop.checkpoint.save import _check_keep_last, save_checkpoint
+from lamploop.loop.boundary import EpochPosition
+from lamploop.state import LoopStateWithModelAndOptimizerData
+
+# --------------------------------------------------------------------------------------------
+# The epoch-loop callback
+
+
+class Checkpointer:
+    """A ``checkpoint_state`` callback for the training drivers: saves after every epoch.
+
+    ``await checkpointer(state, schedule_state)`` runs :func:`save_checkpoint`
+    in a worker thread, so the event loop (heartbeats, the control channel)
+    stays responsive while files are written and fsynced.  Saves through one
+    ``Checkpointer`` never overlap.  If the awaiting task is cancelled, the save
+    in progress still finishes (a checkpoint is never abandoned half-written).
+
+    Attributes:
+        directory: the root directory.
+        keep_last: passed to :func:`save_checkpoint`.
+        last_path: the directory of the last checkpoint saved, ``None`` before the first.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep_last: int | None = 3) -> None:
+        """Save into ``directory``, keeping the last ``keep_last`` checkpoints.
+
+        Raises:
+            ConfigurationError: ``keep_last`` is not ``None`` or an int >= 1.
+        """
+        _check_keep_last(keep_last, "Checkpointer")
+        self.directory = pathlib.Path(directory)
+        self.keep_last = keep_last
+        self.last_path: pathlib.Path | None = None
+        self._lock = anyio.Lock()
+
+    async def __call__(self, state: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
+        """Save ``state`` and ``schedule_state``; see :func:`save_checkpoint` for what it raises."""
+        save = functools.partial(
+            save_checkpoint,
+            self.directory,
+            state,
+            schedule_state=schedule_state,
+            keep_last=self.keep_last,
+            # Captured here, in the caller's thread and at the moment of the call: other tasks
+            # may draw random numbers while the worker thread writes.
+            rng=RngStates.capture(),
+        )
+        async with self._lock:
+            self.last_path = await anyio.to_thread.run_sync(save)
+
+    async def save_position(
+        self,
+        state: LoopStateWithModelAndOptimizerData,
+        schedule_state: Any,
+        position: EpochPosition,
+        rank_rngs: Sequence[RngStates],
+    ) -> None:
+        """Save a checkpoint at a step boundary (see ``drive_distributed_training``).
+
+        ``rank_rngs`` are every rank's RNG states there, rank 0's first.  Step 0 is the
+        start of ``position.epoch``: saved as an epoch-boundary checkpoint, with the RNG states.
+        """
+        save = functools.partial(
+            save_checkpoint,
+            self.directory,
+            state,
+            schedule_state=schedule_state,
+            keep_last=self.keep_last,
+            rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
+            position=position if position.steps_done > 0 else None,
+            rank_rngs=tuple(rank_rngs[1:]),
+        )
+        async with self._lock:
+            self.last_path = await anyio.to_thread.run_sync(save)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last!r})"

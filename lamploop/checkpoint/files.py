@@ -1,0 +1,214 @@
+"""Files and directories: atomic writes with fsync, the save order, leftovers of crashed saves, pruning."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+
+from lamploop.checkpoint.format import (
+    _CHECKPOINT_NAME,
+    _TMP_NAME,
+    _TMP_PREFIX,
+    DESCRIPTOR_NAME,
+    LATEST_NAME,
+    _FileRecord,
+)
+from lamploop.errors import CheckpointError
+
+_log = logging.getLogger("lamploop.checkpoint")
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def _cpu_tensors(tensors: Mapping[Any, Any], what: str) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors; one that shares storage with an earlier one is cloned."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            msg = f"{what}: tensor names must be str, got {name!r}"
+            raise CheckpointError(msg)
+        if not isinstance(tensor, torch.Tensor):
+            msg = f"{what}: {name!r} is a {type(tensor).__qualname__}, not a tensor"
+            raise CheckpointError(msg)
+        if tensor.layout != torch.strided:
+            msg = f"{what}: {name!r} has layout {tensor.layout}; only dense tensors can be stored"
+            raise CheckpointError(msg)
+        t = tensor.detach().cpu().contiguous()
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[0] != 0 and key[1] != 0:
+            if key in seen:
+                # safetensors refuses tensors that share memory (tied weights, views of one buffer).
+                t = t.clone()
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            seen.add(key)
+        out[name] = t
+    return out
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    if os.name == "nt":  # Windows cannot open a directory to fsync it.
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: str) -> _FileRecord:
+    """Serialize, then write, hash and fsync in one pass (the bytes are hashed, not read back)."""
+    try:
+        data = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as e:
+        msg = f"{what}: safetensors cannot store these tensors: {e}"
+        raise CheckpointError(msg) from e
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return _FileRecord(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _temp_name(label: str) -> str:
+    return f"{_TMP_PREFIX}{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}-{label}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: an existence check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale_temporaries(root: pathlib.Path) -> None:
+    """Remove what saves that crashed on this host left behind (their process is gone)."""
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there.
+        return
+    host = _host_tag()
+    for entry in root.iterdir():
+        match = _TMP_NAME.fullmatch(entry.name)
+        if match is None or match.group(1) != host:
+            continue
+        pid = int(match.group(2))
+        if pid != os.getpid() and not _pid_alive(pid):
+            try:
+                _remove(entry)
+            except OSError:
+                # Leftovers are never read; failing to delete one must not fail the save.
+                _log.warning("could not remove the leftover %s of a crashed save", entry, exc_info=True)
+
+
+def _checkpoint_dirs(root: pathlib.Path) -> list[pathlib.Path]:
+    return [p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
+
+
+def _saved_at(directory: pathlib.Path) -> tuple[int, int, str]:
+    """The order checkpoints were saved in: the descriptor's save sequence, then its clock, then the name.
+
+    The sequence (format 2) counts saves into the root, so a clock that jumps back cannot
+    make an older checkpoint look newer; format 1 descriptors (sequence 0) fall back on
+    their clock, and a directory without a readable descriptor on its mtime.
+    """
+    try:
+        with open(directory / DESCRIPTOR_NAME, encoding="utf-8") as f:
+            raw = json.load(f)
+        return int(raw.get("sequence", 0)), int(raw["saved_at_unix_ns"]), directory.name
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, directory.stat().st_mtime_ns, directory.name
+
+
+def _next_sequence(root: pathlib.Path) -> int:
+    return 1 + max((_saved_at(p)[0] for p in _checkpoint_dirs(root)), default=0)
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return bool(result == 0)
+
+
+def _write_latest(root: pathlib.Path, name: str) -> None:
+    temp = root / _temp_name(LATEST_NAME)
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, root / LATEST_NAME)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(root)
+
+
+def _delete(path: pathlib.Path, what: str) -> None:
+    """Delete a directory that is no longer needed; a failure is logged, not raised.
+
+    The new checkpoint is already in place and ``latest`` names it, so a
+    directory that cannot be deleted (permissions, a busy network file system)
+    must not fail the save and with it the training run.
+    """
+    try:
+        shutil.rmtree(path)
+    except OSError:
+        _log.warning("could not delete %s %s", what, path, exc_info=True)
+
+
+def _prune(root: pathlib.Path, keep_last: int, just_written: pathlib.Path) -> None:
+    """Delete all but the ``keep_last`` most recently saved checkpoints, never ``just_written``."""
+    others = [p for p in _checkpoint_dirs(root) if p.name != just_written.name]
+    others.sort(key=_saved_at, reverse=True)
+    for directory in others[keep_last - 1 :]:
+        # Renamed away first, so that a half-deleted directory never looks like a checkpoint.
+        trash = root / _temp_name(f"trash-{directory.name}")
+        try:
+            os.rename(directory, trash)
+        except OSError:
+            _log.warning("could not prune the old checkpoint %s", directory, exc_info=True)
+            continue
+        _delete(trash, "the pruned checkpoint")
+
+
+def _newest_complete(root: pathlib.Path, *, but: pathlib.Path | None = None) -> pathlib.Path | None:
+    """The most recently saved checkpoint directory with a descriptor (other than ``but``)."""
+    complete = [p for p in _checkpoint_dirs(root) if (p / DESCRIPTOR_NAME).is_file() and p != but]
+    return max(complete, key=_saved_at, default=None)

@@ -1,0 +1,363 @@
+"""``load_checkpoint``: read and validate a checkpoint, falling back past an invalid ``latest``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import cattrs
+import safetensors
+import safetensors.torch
+import torch
+
+from lamploop.checkpoint.codec import decode_tree
+from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved_at
+from lamploop.checkpoint.format import (
+    _CHECKPOINT_NAME,
+    _CHUNK,
+    BEST_MODEL_FILE,
+    DESCRIPTOR_NAME,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    _Descriptor,
+    _FileRecord,
+    _type_name,
+    rank_rng_file,
+)
+from lamploop.checkpoint.rng import RngStates, _rng_from_disk, _rng_names
+from lamploop.errors import CheckpointError
+from lamploop.loop.boundary import EpochPosition
+from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
+from lamploop.schedules import LearningRateSchedule
+from lamploop.state import LoopStateWithModelAndOptimizerData, converter
+
+_log = logging.getLogger("lamploop.checkpoint")
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+@attrs.frozen(eq=False)
+class Checkpoint:
+    """A checkpoint read back by :func:`load_checkpoint`.
+
+    Attributes:
+        path: the checkpoint directory.
+        state: the loop state, model, optimizer state and best model (CPU
+            tensors; ``best_model`` is empty when none was saved).
+        schedule_state: the learning-rate schedule state, structured with the
+            ``schedule`` given to :func:`load_checkpoint`, else the raw JSON
+            value (``None`` or a dict).
+        rng: the RNG states at save time; :meth:`RngStates.restore` sets them.
+        position: where inside its epoch the checkpoint was taken (``None``: at the start).
+        rank_rngs: the RNG states of ranks 1, 2... at that position (empty before format 2).
+    """
+
+    path: pathlib.Path
+    state: LoopStateWithModelAndOptimizerData
+    schedule_state: Any
+    rng: RngStates
+    position: EpochPosition | None = None
+    rank_rngs: tuple[RngStates, ...] = ()
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
+    """The checkpoint directory that ``<directory>/latest`` names, or ``None`` if there is none yet.
+
+    Without a ``latest`` file (a crash right after the first checkpoint was
+    renamed into place), the most recently saved complete checkpoint
+    directory is returned.  Nothing is validated beyond existence:
+    :func:`load_checkpoint` does that.
+
+    Raises:
+        CheckpointError: ``latest`` cannot be read, does not hold a checkpoint
+            directory name, or names a directory that does not exist.
+    """
+    root = pathlib.Path(directory)
+    pointer = root / LATEST_NAME
+    try:
+        text = pointer.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if not root.is_dir():
+            return None
+        return _newest_complete(root)
+    except (OSError, UnicodeDecodeError) as e:
+        msg = f"{pointer}: cannot read the latest-checkpoint pointer: {e}"
+        raise CheckpointError(msg) from e
+    name = text.strip()
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        msg = f"{pointer}: holds {name!r}, which is not a checkpoint directory name like 'epoch-000006'"
+        raise CheckpointError(msg)
+    target = root / name
+    if not target.is_dir():
+        fallback = _newest_complete(root)
+        if fallback is None:
+            msg = f"{pointer}: names {name}, but {target} does not exist"
+            raise CheckpointError(msg)
+        _log.warning(
+            "%s names %s, which does not exist; using %s, the newest saved", pointer, name, fallback.name
+        )
+        return fallback
+    return target
+
+
+def _resolve(path: str | os.PathLike[str]) -> pathlib.Path:
+    p = pathlib.Path(path)
+    if not p.exists():
+        msg = f"{p}: no such checkpoint directory"
+        raise CheckpointError(msg)
+    if not p.is_dir():
+        msg = f"{p}: not a directory (expected a checkpoint directory or the root holding '{LATEST_NAME}')"
+        raise CheckpointError(msg)
+    if (p / DESCRIPTOR_NAME).exists() or _CHECKPOINT_NAME.fullmatch(p.name):
+        return p
+    found = latest_checkpoint(p)
+    if found is None:
+        msg = f"{p}: no checkpoint here: no {DESCRIPTOR_NAME}, no '{LATEST_NAME}', no epoch-* directory"
+        raise CheckpointError(msg)
+    return found
+
+
+def _read_descriptor(path: pathlib.Path) -> _Descriptor:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        msg = f"{path}: missing; this is not a complete checkpoint"
+        raise CheckpointError(msg) from e
+    except (OSError, UnicodeDecodeError) as e:
+        msg = f"{path}: cannot read: {e}"
+        raise CheckpointError(msg) from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"{path}: not valid JSON: {e}"
+        raise CheckpointError(msg) from e
+    if not isinstance(raw, dict):
+        msg = f"{path}: expected a JSON object, got {type(raw).__name__}"
+        raise CheckpointError(msg)
+    version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        msg = f"{path}: no valid format_version (got {version!r}); not a lamploop checkpoint descriptor"
+        raise CheckpointError(msg)
+    if version > FORMAT_VERSION:
+        msg = (
+            f"{path}: written by a newer lamploop: format version {version}, "
+            f"this version reads {FORMAT_VERSION}; upgrade lamploop to load it"
+        )
+        raise CheckpointError(msg)
+    try:
+        return converter.structure(raw, _Descriptor)
+    except Exception as e:  # cattrs raises ClassValidationError (an ExceptionGroup) and friends
+        details = "; ".join(cattrs.transform_error(e, path="$"))
+        msg = f"{path}: malformed descriptor: {details}"
+        raise CheckpointError(msg) from e
+
+
+def _check_file(path: pathlib.Path, record: _FileRecord) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError as e:
+        msg = f"{path}: missing (listed in {DESCRIPTOR_NAME})"
+        raise CheckpointError(msg) from e
+    if size != record.size:
+        msg = (
+            f"{path}: size mismatch: {DESCRIPTOR_NAME} records {record.size} bytes, the file has {size} "
+            f"({'truncated' if size < record.size else 'longer than written'})"
+        )
+        raise CheckpointError(msg)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != record.sha256:
+        msg = (
+            f"{path}: sha256 mismatch: {DESCRIPTOR_NAME} records {record.sha256}, the file has "
+            f"{digest.hexdigest()} (the file is corrupt or was changed after saving)"
+        )
+        raise CheckpointError(msg)
+
+
+def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> dict[str, torch.Tensor]:
+    """Check a file's size and sha256 against the descriptor, then parse it."""
+    path = directory / file
+    record = descriptor.files.get(file)
+    if record is None:
+        msg = f"{directory / DESCRIPTOR_NAME}: lists no sha256 and size for {file}"
+        raise CheckpointError(msg)
+    _check_file(path, record)
+    try:
+        return safetensors.torch.load_file(str(path), device="cpu")
+    except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as e:
+        msg = f"{path}: cannot be parsed as safetensors: {e}"
+        raise CheckpointError(msg) from e
+
+
+def _read_tensors(
+    directory: pathlib.Path, descriptor: _Descriptor, file: str, expected: ModelSpec
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``file``, in the descriptor's order; exactly those ``expected`` lists."""
+    loaded = _load_file(directory, descriptor, file)
+    path = directory / file
+    wanted = [t.name for t in expected.tensors]
+    missing = [n for n in wanted if n not in loaded]
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        msg = f"{path}: tensors missing that {DESCRIPTOR_NAME} lists: {missing[:5]}{more}"
+        raise CheckpointError(msg)
+    ordered = {n: loaded[n] for n in wanted}
+    problem = describe_mismatch(
+        expected, model_spec(ordered), expected_label=DESCRIPTOR_NAME, actual_label=file
+    )
+    extra = [n for n in loaded if n not in ordered]
+    if problem is None and extra:
+        problem = f"{file} has tensors {DESCRIPTOR_NAME} does not list: {extra[:5]}"
+    if problem is not None:
+        msg = f"{path}: does not match {DESCRIPTOR_NAME}: {problem}"
+        raise CheckpointError(msg)
+    return ordered
+
+
+def _structure_schedule_state(
+    descriptor: _Descriptor, schedule: LearningRateSchedule[Any], where: pathlib.Path
+) -> Any:
+    target = schedule.state_type
+    raw = descriptor.schedule_state
+    try:
+        return converter.structure(raw, target)
+    except Exception as e:  # cattrs reports through many exception types
+        problem = "; ".join(cattrs.transform_error(e, path="$.schedule_state"))
+    msg = (
+        f"{where}: the schedule state (saved as a {descriptor.schedule_state_type}) does not fit "
+        f"{type(schedule).__qualname__}, whose state type is {_type_name(target)}: {problem}"
+    )
+    raise CheckpointError(msg)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    schedule: LearningRateSchedule[Any] | None = None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+    restore_rng: bool = False,
+) -> Checkpoint:
+    """Read and validate a checkpoint.
+
+    Args:
+        path: a checkpoint directory, or the root directory (then the one its
+            ``latest`` pointer names is read).
+        schedule: the learning-rate schedule the run resumes with; the stored
+            schedule state is structured into ``schedule.state_type``.  Without
+            it, :attr:`Checkpoint.schedule_state` is the raw JSON value.
+        model: a module or state dict the checkpoint must fit: same tensor
+            names, order, shapes and dtypes (checked before any tensor is read).
+        restore_rng: also set the torch, numpy and Python RNGs to the saved states.
+
+    Returns:
+        The checkpoint, with every tensor on the CPU.
+
+    Raises:
+        CheckpointError: the message starts with the file at fault and says
+            what is wrong: a missing directory or file, unreadable JSON, a
+            format version newer than :data:`FORMAT_VERSION`, a malformed
+            descriptor, a size or sha256 mismatch (truncation, flipped bytes),
+            a safetensors file that does not parse or lacks tensors the
+            descriptor lists, a model that does not fit, or a schedule state
+            that does not fit ``schedule``.
+    """
+    directory = _resolve(path)
+    if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
+        return _load_directory(directory, schedule, model, restore_rng)
+    # The root: its latest checkpoint, or else the newest valid one saved before it.
+    first_error: CheckpointError | None = None
+    tried: set[pathlib.Path] = set()
+    candidate: pathlib.Path | None = directory
+    while candidate is not None:
+        try:
+            return _load_directory(candidate, schedule, model, restore_rng)
+        except CheckpointError as e:
+            first_error = first_error or e
+            tried.add(candidate)
+            _log.warning("skipping the checkpoint %s: %s", candidate, e)
+        remaining = [p for p in _checkpoint_dirs(directory.parent) if p not in tried]
+        candidate = max(
+            (p for p in remaining if (p / DESCRIPTOR_NAME).is_file()), key=_saved_at, default=None
+        )
+    raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
+
+
+def _load_directory(
+    directory: pathlib.Path,
+    schedule: LearningRateSchedule[Any] | None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    restore_rng: bool,
+) -> Checkpoint:
+    """Load and validate one checkpoint directory (see :func:`load_checkpoint`)."""
+    descriptor_path = directory / DESCRIPTOR_NAME
+    descriptor = _read_descriptor(descriptor_path)
+    if model is not None:
+        actual = model_spec(model)
+        for file, spec in (
+            (MODEL_FILE, descriptor.model_spec),
+            (BEST_MODEL_FILE, descriptor.best_model_spec),
+        ):
+            if file == BEST_MODEL_FILE and not spec.tensors:
+                continue
+            problem = describe_mismatch(spec, actual, expected_label="checkpoint", actual_label="model")
+            if problem is not None:
+                msg = f"{directory / file}: does not fit the given model: {problem}"
+                raise CheckpointError(msg)
+    schedule_state = (
+        descriptor.schedule_state
+        if schedule is None
+        else _structure_schedule_state(descriptor, schedule, descriptor_path)
+    )
+    rng_spec_names = _rng_names(descriptor.rng)
+    model_tensors = _read_tensors(directory, descriptor, MODEL_FILE, descriptor.model_spec)
+    best_tensors = _read_tensors(directory, descriptor, BEST_MODEL_FILE, descriptor.best_model_spec)
+    optimizer_tensors = _read_tensors(directory, descriptor, OPTIMIZER_FILE, descriptor.optimizer_tensors)
+    rng_tensors = _load_file(directory, descriptor, RNG_FILE)
+    missing = [n for n in rng_spec_names if n not in rng_tensors]
+    if missing:
+        msg = f"{directory / RNG_FILE}: tensors missing that {DESCRIPTOR_NAME} implies: {missing}"
+        raise CheckpointError(msg)
+    optimizer = decode_tree(
+        descriptor.optimizer, optimizer_tensors, f"{descriptor_path}: optimizer", error=CheckpointError
+    )
+    if not isinstance(optimizer, dict):
+        msg = f"{descriptor_path}: the optimizer state is a {type(optimizer).__name__}, not a mapping"
+        raise CheckpointError(msg)
+    try:
+        rng = _rng_from_disk(descriptor.rng, rng_tensors)
+    except (ValueError, TypeError, RuntimeError) as e:
+        msg = f"{directory / RNG_FILE}: malformed RNG state: {e}"
+        raise CheckpointError(msg) from e
+    if restore_rng:
+        try:
+            rng.restore()
+        except (ValueError, TypeError, RuntimeError) as e:
+            msg = f"{directory / RNG_FILE}: cannot restore the RNG states: {e}"
+            raise CheckpointError(msg) from e
+    state = LoopStateWithModelAndOptimizerData(
+        loop_state=descriptor.loop_state, model=model_tensors, optimizer=optimizer, best_model=best_tensors
+    )
+    rank_rngs = tuple(
+        _rng_from_disk(record, _load_file(directory, descriptor, rank_rng_file(rank)))
+        for rank, record in enumerate(descriptor.rank_rngs, start=1)
+    )
+    return Checkpoint(
+        path=directory,
+        state=state,
+        schedule_state=schedule_state,
+        rng=rng,
+        position=descriptor.position,
+        rank_rngs=rank_rngs,
+    )

@@ -12,7 +12,6 @@ business; the protocol as a whole is described in :mod:`lamploop.control.tcp`.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 
@@ -23,6 +22,7 @@ from anyio.abc import SocketAttribute, TaskStatus
 from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, remote
 from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
 from lamploop.control._settings import Link, Run, check_int, check_seconds
+from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, Abort, Heartbeat, Refuse, encode_frame
@@ -53,8 +53,9 @@ class TcpControlRoot:
             follower silent for longer than the timeout is lost.
         handshake_timeout: a connection must complete the handshake within this many seconds.
         max_frame_bytes: the largest frame body sent or accepted.
-        max_pending_handshakes: connections handshaking at once; more wait their turn
-            (within ``handshake_timeout``), which bounds the memory strangers can hold.
+        max_pending_handshakes: connections handshaking at once; a new one past this drops
+            the oldest (strangers cannot hold the port, or file descriptors, and a real
+            follower, which answers at once, is never kept waiting behind them).
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -84,11 +85,11 @@ class TcpControlRoot:
         self._port = port
         self._join_timeout = join_timeout
         self._handshake_timeout = handshake_timeout
-        self._handshakes = anyio.CapacityLimiter(max_pending_handshakes)
+        self._handshakes = PendingHandshakes(max_pending_handshakes)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._address: tuple[str, int] | None = None
         self._peers: dict[int, Connection] = {}
-        self._refusals: deque[str] = deque(maxlen=_RECENT_REFUSALS)
+        self._refusals = RefusalLog(remember=_RECENT_REFUSALS)
         self._joined_or_failed = anyio.Event()
         self._serving = 0
         self._all_served = anyio.Event()
@@ -106,7 +107,7 @@ class TcpControlRoot:
     @property
     def recent_refusals(self) -> tuple[str, ...]:
         """The last few peers refused for not proving the token, oldest first: ``"host:port: why"``."""
-        return tuple(self._refusals)
+        return tuple(self._refusals.recent)
 
     def peers(self) -> tuple[int, ...]:
         """The ranks of the followers that have joined so far, sorted."""
@@ -128,6 +129,7 @@ class TcpControlRoot:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         remaining = self._sup.leave_body(exc)
+        self._refusals.flush()
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
             if not self._stop_sent:
                 # Tell every follower why the run ends, then close our side.
@@ -177,8 +179,8 @@ class TcpControlRoot:
             f"only ranks {sorted(self._peers)} of 1..{self._run.nranks - 1} joined within "
             f"{self._join_timeout:g} s; missing ranks {missing}"
         )
-        if self._refusals:
-            msg += f"; recently refused: {'; '.join(self._refusals)}"
+        if self._refusals.recent:
+            msg += f"; recently refused: {'; '.join(self._refusals.recent)}"
         return msg
 
     async def broadcast(self, command: Command) -> None:
@@ -256,9 +258,11 @@ class TcpControlRoot:
     async def _admit(self, conn: Connection) -> int | None:
         """Run the handshake; the follower's rank once welcomed, ``None`` if refused."""
         try:
-            with anyio.fail_after(self._handshake_timeout):
-                async with self._handshakes:
-                    hello, welcome = await authenticate_follower(conn, self._run.token)
+            with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
+                hello, welcome = await authenticate_follower(conn, self._run.token)
+            if slot.cancelled_caught:
+                await self._refuse_stranger(conn, "dropped: the oldest of too many connections handshaking")
+                return None
         except TimeoutError:
             await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
             return None
@@ -287,8 +291,7 @@ class TcpControlRoot:
         return rank
 
     async def _refuse_stranger(self, conn: Connection, reason: str) -> None:
-        logger.warning("control root refused %s: %s", conn.peer, reason)
-        self._refusals.append(f"{conn.peer}: {reason}")
+        self._refusals.refused(conn.peer, reason)
         await conn.send_best_effort(Refuse(reason))
 
     async def _serve_peer(self, conn: Connection, rank: int) -> None:

@@ -1,0 +1,86 @@
+"""Keeping strangers in check on the root's port: bounded handshakes and rate-limited refusal logs.
+
+A flood of connections that never prove the token must not starve a real follower's join,
+exhaust file descriptors or fill the log.  :class:`PendingHandshakes` bounds the
+connections still handshaking: at the bound, the *oldest* is dropped (a real follower
+answers the challenge within milliseconds, so it is never the oldest for long), instead of
+queueing newcomers behind silent strangers.  :class:`RefusalLog` writes at most a few
+warnings per window and then one line saying how many more were refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
+
+__all__ = ["PendingHandshakes", "RefusalLog"]
+
+logger = logging.getLogger("lamploop.control")
+
+
+class PendingHandshakes:
+    """At most ``limit`` handshakes at once; a new one past the limit cancels the oldest."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._scopes: OrderedDict[int, anyio.CancelScope] = OrderedDict()
+        self._next = 0
+        self.evicted = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope for one handshake; check ``cancelled_caught`` to learn of an eviction."""
+        key, self._next = self._next, self._next + 1
+        while len(self._scopes) >= self._limit:
+            _, oldest = self._scopes.popitem(last=False)
+            oldest.cancel()
+            self.evicted += 1
+        with anyio.CancelScope() as scope:
+            self._scopes[key] = scope
+            try:
+                yield scope
+            finally:
+                self._scopes.pop(key, None)
+
+
+class RefusalLog:
+    """Logs refused strangers, at most ``burst`` lines per ``window`` seconds; remembers the last few."""
+
+    def __init__(self, *, burst: int = 10, window: float = 10.0, remember: int = 16) -> None:
+        self._burst = burst
+        self._window = window
+        self._window_start = time.monotonic()
+        self._logged = 0
+        self._suppressed = 0
+        self.recent: deque[str] = deque(maxlen=remember)
+        self.total = 0
+
+    def refused(self, peer: str, reason: str) -> None:
+        self.total += 1
+        self.recent.append(f"{peer}: {reason}")
+        now = time.monotonic()
+        if now - self._window_start >= self._window:
+            self.flush()
+            self._window_start, self._logged = now, 0
+        if self._logged < self._burst:
+            self._logged += 1
+            logger.warning("control root refused %s: %s", peer, reason)
+        else:
+            self._suppressed += 1
+
+    def flush(self) -> None:
+        """Log how many refusals went unlogged since the last line, if any."""
+        if self._suppressed:
+            logger.warning(
+                "control root refused %d more connections in the last %g s (logged %d per %g s)",
+                self._suppressed,
+                self._window,
+                self._burst,
+                self._window,
+            )
+            self._suppressed = 0

@@ -1,0 +1,92 @@
+"""Strangers in numbers on the root's control port: the run goes on, the log stays short.
+
+Real TCP sockets on 127.0.0.1, a real root and a real follower (tasks of this process).
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from lamploop.control import Rendezvous, Stop, TcpControlFollower, TcpControlRoot, Train
+from lamploop.modelspec import ModelSpec, TensorSpec
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+TOKEN = b"the shared secret"
+SPEC = ModelSpec((TensorSpec("fc.weight", (10, 4), "float32"),))
+
+
+async def _follower_joins(port: int, got: list[object]) -> float:
+    """Join as rank 1, read commands until Stop; the seconds the join took."""
+    started = time.monotonic()
+    async with TcpControlFollower(
+        host="127.0.0.1", port=port, rank=1, nranks=2, token=TOKEN, model_spec=SPEC
+    ) as f:
+        _, commands = await f.join()
+        joined = time.monotonic() - started
+        async for command in commands:
+            got.append(command)
+    return joined
+
+
+async def test_thousands_of_garbage_connections_log_a_few_lines_and_the_run_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    got: list[object] = []
+    with caplog.at_level(logging.WARNING, logger="lamploop.control"), anyio.fail_after(50):
+        async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC, handshake_timeout=2.0) as root:
+            port = root.address[1]
+
+            async def stranger() -> None:
+                async with await anyio.connect_tcp("127.0.0.1", port) as s:
+                    await s.send(b"\x00\x00\x00\x10" + os.urandom(16))
+                    try:
+                        while await s.receive():
+                            pass
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                        return
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(2000):
+                    tg.start_soon(stranger)
+                    await anyio.lowlevel.checkpoint()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_follower_joins, port, got)
+                await root.on_rendezvous_ready(Rendezvous("127.0.0.1", 1))
+                await root.broadcast(Train(epoch=0, lr_factor=1.0))
+                await root.broadcast(Stop("done"))
+    assert got == [Train(epoch=0, lr_factor=1.0), Stop("done")]
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) <= 12, len(refused)  # at most 10 lines a window, then a summary
+    assert any("more connections" in r.getMessage() for r in refused)
+
+
+async def test_a_follower_joins_within_seconds_past_hundreds_of_silent_connections() -> None:
+    got: list[object] = []
+    with anyio.fail_after(50):
+        async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC, handshake_timeout=30.0) as root:
+            port = root.address[1]
+            silent = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(300)]
+            try:
+                async with anyio.create_task_group() as tg:
+
+                    async def follower() -> None:
+                        got.append(await _follower_joins(port, got))
+
+                    tg.start_soon(follower)
+                    await root.on_rendezvous_ready(Rendezvous("127.0.0.1", 1))
+                    await root.broadcast(Stop("done"))
+            finally:
+                for s in silent:
+                    await s.aclose()
+    joined = got[-1]
+    assert isinstance(joined, float)
+    assert joined < 5.0, joined  # the strangers hold a 30 s handshake timeout each
+    assert got[0] == Stop("done")

@@ -295,11 +295,11 @@ async def drive_distributed_training(
         _set_up_root, module, torch_device, optimizer_factory, init_state
     )
 
-    async def connect() -> Any:
+    async def connect() -> tuple[Any, str]:
         store, port = create_store(host, nranks, settings.collective_timeout)
         if control is not None:
             await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
-        return store
+        return store, host
 
     roots: list[_RootEpochs] = []  # the root's effects, once its replica exists
 

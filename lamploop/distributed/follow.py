@@ -83,10 +83,11 @@ async def follow_distributed_training(
     base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
     rendezvous, commands = await control.join()
 
-    async def connect() -> Any:
-        return await anyio.to_thread.run_sync(
+    async def connect() -> tuple[Any, str]:
+        store = await anyio.to_thread.run_sync(
             connect_store, rendezvous.host, rendezvous.port, nranks, settings.collective_timeout
         )
+        return store, rendezvous.host
 
     plan = RankPlan(
         rank=rank,

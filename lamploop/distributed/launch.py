@@ -7,16 +7,21 @@ Three launchers are understood, checked in this order:
   ``LAMPLOOP_RANK``, ``LAMPLOOP_WORLD_SIZE``, ``LAMPLOOP_CONTROL`` (host:port)
   and ``LAMPLOOP_TOKEN`` set;
 - ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-  ``MASTER_PORT``): rank 0 listens on a free port and publishes it, with a
-  fresh token unless ``LAMPLOOP_TOKEN`` is set, in torchrun's own store;
+  ``MASTER_PORT``): rank 0 listens on a free port and publishes it in torchrun's own
+  store.  Without ``LAMPLOOP_TOKEN`` it also publishes a fresh token there, but only when
+  the store is on a loopback address (one machine) or ``LAMPLOOP_PUBLISH_TOKEN=1`` says
+  so: anyone who can reach ``MASTER_PORT`` can read the store;
 - Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): the root is
-  ``LAMPLOOP_ROOT_ADDR`` (default ``SLURM_LAUNCH_NODE_IPADDR``), the port
-  ``LAMPLOOP_CONTROL_PORT`` (default 29511), and ``LAMPLOOP_TOKEN`` is required.
+  ``LAMPLOOP_ROOT_ADDR``, else the first host of ``SLURM_JOB_NODELIST`` (where rank 0
+  runs), else ``SLURM_LAUNCH_NODE_IPADDR``; the port is ``LAMPLOOP_CONTROL_PORT``, else
+  one derived from ``SLURM_JOB_ID`` (two jobs on one node do not collide), else 29511;
+  ``LAMPLOOP_TOKEN`` is required.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import secrets
 import sys
@@ -28,6 +33,7 @@ import attrs
 import torch.distributed as dist
 
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
+from lamploop.distributed.network import slurm_first_host, slurm_job_port
 from lamploop.errors import ConfigurationError, ControlChannelError
 from lamploop.modelspec import ModelSpec
 
@@ -119,7 +125,12 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             store_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        root = env.get("LAMPLOOP_ROOT_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+        nodelist = env.get("SLURM_JOB_NODELIST")
+        root = (
+            env.get("LAMPLOOP_ROOT_ADDR")
+            or (slurm_first_host(nodelist) if nodelist else None)
+            or env.get("SLURM_LAUNCH_NODE_IPADDR")
+        )
         if not root:
             msg = "under Slurm set LAMPLOOP_ROOT_ADDR to the address of the node running rank 0"
             raise ConfigurationError(msg)
@@ -138,6 +149,8 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             root_host=root,
             control_port=_int(env, "LAMPLOOP_CONTROL_PORT")
             if "LAMPLOOP_CONTROL_PORT" in env
+            else slurm_job_port(env["SLURM_JOB_ID"])
+            if "SLURM_JOB_ID" in env
             else DEFAULT_SLURM_CONTROL_PORT,
             token=env["LAMPLOOP_TOKEN"],
         )
@@ -180,9 +193,33 @@ async def open_root_control(
         heartbeat_timeout=heartbeat_timeout,
     ) as root:
         if env.launcher == "torchrun" and env.control_port is None:
+            published = _token_to_publish(env, token)
             store = await anyio.to_thread.run_sync(_launcher_store, env)
-            store.set(_restart_key("control"), f"{root.address[1]}:{token if env.token is None else ''}")
+            store.set(_restart_key("control"), f"{root.address[1]}:{published}")
         yield root
+
+
+def _token_to_publish(env: LaunchEnv, token: str) -> str:
+    """The token to put in torchrun's store: none if every rank has it; a fresh one only where safe."""
+    if env.token is not None:
+        return ""
+    loopback = env.root_host == "localhost" or _is_loopback(env.root_host)
+    if loopback or os.environ.get("LAMPLOOP_PUBLISH_TOKEN") == "1":
+        return token
+    msg = (
+        f"torchrun's store at {env.root_host} can be read by anyone who reaches MASTER_PORT, so "
+        "lamploop does not publish a token there: set LAMPLOOP_TOKEN on every rank "
+        "(e.g. `export LAMPLOOP_TOKEN=$(openssl rand -hex 16)`), or LAMPLOOP_PUBLISH_TOKEN=1 "
+        "if that network is trusted"
+    )
+    raise ConfigurationError(msg)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @asynccontextmanager

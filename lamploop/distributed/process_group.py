@@ -14,6 +14,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from lamploop.distributed.network import gloo_interface, local_address_towards
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.sync.collectives import Group
 
@@ -46,10 +47,34 @@ def connect_store(host: str, port: int, nranks: int, timeout: float) -> dist.TCP
         raise DistributedError(msg) from exc
 
 
+def _gloo(store: dist.Store, rank: int, nranks: int, span: datetime.timedelta, root_host: str) -> Group:
+    """A Gloo group bound to ``GLOO_SOCKET_IFNAME`` if set, else to the interface that reaches the root."""
+    interface = gloo_interface()
+    if interface is not None:
+        device = dist.ProcessGroupGloo.create_device(interface=interface)
+    else:
+        device = dist.ProcessGroupGloo.create_device(hostname=local_address_towards(root_host))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from the stubs
+    options._timeout = span
+    options._devices = [device]
+    return dist.ProcessGroupGloo(store, rank, nranks, options)
+
+
 def new_process_group(
-    store: dist.Store, *, rank: int, nranks: int, device: torch.device, timeout: float, prefix: str
+    store: dist.Store,
+    *,
+    rank: int,
+    nranks: int,
+    device: torch.device,
+    timeout: float,
+    prefix: str,
+    root_host: str = "127.0.0.1",
 ) -> Group:
-    """A Gloo (CPU) or NCCL (CUDA) process group over ``store`` (blocks until every rank joins)."""
+    """A Gloo (CPU) or NCCL (CUDA) process group over ``store`` (blocks until every rank joins).
+
+    ``root_host`` is the address the ranks reach the root at: Gloo binds to the local
+    interface that routes there (see :mod:`lamploop.distributed.network`).
+    """
     scoped = dist.PrefixStore(prefix, store)
     span = datetime.timedelta(seconds=timeout)
     try:
@@ -63,7 +88,7 @@ def new_process_group(
         if device.type != "cpu":
             msg = f"device type {device.type!r} is not supported by the tensor channel (cpu or cuda)"
             raise ConfigurationError(msg)
-        return dist.ProcessGroupGloo(scoped, rank, nranks, span)
+        return _gloo(scoped, rank, nranks, span, root_host)
     except RuntimeError as exc:
         msg = f"rank {rank} of {nranks} could not join the process group: {exc}"
         raise DistributedError(msg) from exc

@@ -195,11 +195,12 @@ def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) 
 
 @asynccontextmanager
 async def open_replica(
-    plan: RankPlan, connect: Callable[[], Awaitable[Any]], abort: AbortSignal
+    plan: RankPlan, connect: Callable[[], Awaitable[tuple[Any, str]]], abort: AbortSignal
 ) -> AsyncIterator[Replica]:
     """This rank's :class:`Replica` on its tensor channel, set up and torn down.
 
-    ``connect`` gives the store the process group is built over (unused with one rank);
+    ``connect`` gives the store the process group is built over and the root's address
+    (unused with one rank);
     ``abort`` ends the rank's collective waits when the run fails elsewhere.
     """
     settings = plan.settings
@@ -212,7 +213,7 @@ async def open_replica(
         boundary = _boundary(plan, None, plan.save is not None)
         yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at)
         return
-    store = await connect()
+    store, root_host = await connect()
 
     def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool]:
         group = new_process_group(
@@ -222,6 +223,7 @@ async def open_replica(
             device=plan.device,
             timeout=settings.collective_timeout,
             prefix=_STORE_PREFIX,
+            root_host=root_host,
         )
         collectives = Collectives(
             group,

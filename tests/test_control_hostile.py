@@ -90,3 +90,32 @@ async def test_a_follower_joins_within_seconds_past_hundreds_of_silent_connectio
     assert isinstance(joined, float)
     assert joined < 5.0, joined  # the strangers hold a 30 s handshake timeout each
     assert got[0] == Stop("done")
+
+
+async def test_large_frames_before_authentication_are_refused_at_their_header() -> None:
+    """64 strangers each announce a 4 MB hello: refused after the 4-byte header, nothing buffered."""
+    refused_after: list[float] = []
+    with anyio.fail_after(30):
+        async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC, handshake_timeout=10.0) as root:
+            port = root.address[1]
+
+            async def big_hello() -> None:
+                async with await anyio.connect_tcp("127.0.0.1", port) as s:
+                    started = time.monotonic()
+                    await s.send((4 * 1024 * 1024).to_bytes(4, "big") + b"{" * 1024)
+                    try:
+                        while await s.receive():
+                            pass
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                        pass
+                    refused_after.append(time.monotonic() - started)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(64):
+                    tg.start_soon(big_hello)
+            assert len(root.recent_refusals) == 16  # the last 16 are remembered
+            assert all("over the limit of 16384 bytes" in r for r in root.recent_refusals), (
+                root.recent_refusals
+            )
+    assert len(refused_after) == 64
+    assert max(refused_after) < 5.0  # well before the 10 s handshake timeout

@@ -79,6 +79,15 @@ class Connection:
         self._send_lock = anyio.Lock()
         self._write_closed = False
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame accepted from the peer now."""
+        return self._decoder.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int) -> None:
+        self._decoder.max_frame_bytes = value
+
     def encode(self, message: Message) -> bytes:
         return encode_frame(message, max_frame_bytes=self._link.max_frame_bytes)
 

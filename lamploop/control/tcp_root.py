@@ -25,7 +25,14 @@ from lamploop.control._settings import Link, Run, check_int, check_seconds
 from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
-from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, Abort, Heartbeat, Refuse, encode_frame
+from lamploop.control.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Abort,
+    Heartbeat,
+    Refuse,
+    encode_frame,
+    preauth_frame_limit,
+)
 from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
 
@@ -86,6 +93,7 @@ class TcpControlRoot:
         self._join_timeout = join_timeout
         self._handshake_timeout = handshake_timeout
         self._handshakes = PendingHandshakes(max_pending_handshakes)
+        self._preauth_frame_bytes = preauth_frame_limit(nranks, model_spec, max_frame_bytes)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._address: tuple[str, int] | None = None
         self._peers: dict[int, Connection] = {}
@@ -248,6 +256,7 @@ class TcpControlRoot:
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
         conn = Connection(stream, peer=remote(stream), link=self._link)
+        conn.max_frame_bytes = self._preauth_frame_bytes  # raised once the peer proves the token
         try:
             rank = await self._admit(conn)
             if rank is not None:
@@ -263,6 +272,7 @@ class TcpControlRoot:
             if slot.cancelled_caught:
                 await self._refuse_stranger(conn, "dropped: the oldest of too many connections handshaking")
                 return None
+            conn.max_frame_bytes = self._link.max_frame_bytes
         except TimeoutError:
             await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
             return None

@@ -48,6 +48,7 @@ __all__ = [
     "follower_proof",
     "is_nonce",
     "new_nonce",
+    "preauth_frame_limit",
     "proof_matches",
     "root_proof",
 ]
@@ -287,6 +288,19 @@ class FrameDecoder:
         self._error: FrameError | None = None
 
     @property
+    def max_frame_bytes(self) -> int:
+        """The current limit on a frame's body."""
+        return self._max
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int) -> None:
+        """Change the limit (the root raises it once a peer has proved the token)."""
+        if value < 1:
+            msg = f"max_frame_bytes must be positive, got {value}"
+            raise ValueError(msg)
+        self._max = value
+
+    @property
     def buffered(self) -> int:
         """How many bytes of an incomplete frame are waiting for the rest."""
         return len(self._buffer) + (HEADER_BYTES if self._body_length is not None else 0)
@@ -325,6 +339,18 @@ class FrameDecoder:
             self._buffer.clear()
             raise
         return messages
+
+
+def preauth_frame_limit(nranks: int, model_spec: ModelSpec, max_frame_bytes: int) -> int:
+    """The largest frame a root accepts before the peer has proved the token.
+
+    A follower's hello is the only frame it sends then, and it carries the model spec, so the
+    limit is twice the size of a hello with the root's own spec (at least 16 KiB, at most
+    ``max_frame_bytes``): a stranger cannot make the root buffer megabytes.
+    """
+    proof = "0" * NONCE_HEX_CHARS
+    own = len(_dump(_unstructure(Hello(PROTOCOL_VERSION, 0, nranks, model_spec, proof, proof))))
+    return min(max_frame_bytes, max(16 * 1024, 2 * own))
 
 
 def new_nonce() -> str:

@@ -1,4 +1,4 @@
-"""Every chore has a session: ``nox -s tests``, ``lint``, ``bench``, ``docs``.
+"""Every chore has a session: ``nox -s tests``, ``lint``, ``bench``, ``docs``, ``multinode``.
 
 torch is installed first and pinned to the CPU build that the CI machine has
 cached; the package metadata itself only asks for ``torch>=2.2``, so on GPU
@@ -27,6 +27,13 @@ def tests(session: nox.Session) -> None:
     """The test suite (multi-process tests included, GPU tests skip without CUDA)."""
     install(session, "test")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def multinode(session: nox.Session) -> None:
+    """Two hosts as network namespaces joined by a veth pair (needs root; skips with the reason otherwise)."""
+    install(session, "test")
+    session.run("pytest", "tests/test_multinode.py", "-v", *session.posargs)
 
 
 @nox.session

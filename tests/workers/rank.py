@@ -358,7 +358,7 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
         state = await drive_distributed_training(control=None, **kwargs)
     else:
         async with TcpControlRoot(
-            host=HOST,
+            host=run.get("host", HOST),
             port=0,
             nranks=nranks,
             token=run.get("token", "test-token"),
@@ -367,7 +367,7 @@ async def run_root(run: dict[str, Any], wd: Path) -> dict[str, Any]:
             **run.get("root_control", {}),
         ) as root:
             write_json(wd / "ready.json", {"port": root.address[1]})
-            state = await drive_distributed_training(control=root, host=HOST, **kwargs)
+            state = await drive_distributed_training(control=root, host=run.get("host", HOST), **kwargs)
             refusals = list(root.recent_refusals)
     save_tensors(wd / "rank0.safetensors", module.state_dict())
     save_tensors(wd / "live.safetensors", live)
@@ -425,7 +425,7 @@ async def run_follower(run: dict[str, Any], wd: Path, rank: int) -> dict[str, An
         ready = await wait_for_json(wd / f"proxy{rank}.json", READY_TIMEOUT_S, workdir=wd.parent)
     strategy = run.get("strategy", "reduce_to_root")
     async with TcpControlFollower(
-        host=HOST,
+        host=run.get("host", HOST),
         port=ready["port"],
         rank=rank,
         nranks=nranks,

@@ -38,7 +38,7 @@ from workers.proxy import ControlRelay
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SURVIVORS_END_WITHIN_S = 15.0
-AT_ONCE = 3
+AT_ONCE = 2
 
 _RUN = {
     "strategy": "all_reduce",

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from workers import rank as worker
@@ -181,3 +182,30 @@ def test_twenty_sigkills_at_random_moments_lose_nothing(uninterrupted: Path, tmp
         _fit(procs, "last", tmp_path)
         assert procs.wait("last", 120) == 0, procs.logs()
     _assert_same(tmp_path, uninterrupted)
+
+
+def test_resuming_a_step_boundary_with_another_number_of_ranks_is_refused_up_front() -> None:
+    from lamploop.errors import ConfigurationError
+    from lamploop.loop.boundary import EpochPosition
+
+    position = EpochPosition(
+        epoch=1,
+        lr_factor=1.0,
+        steps_done=3,
+        last_step_examples=8,
+        loss_sums=(1.0, 2.0),
+        example_counts=(8, 8),
+    )
+    run = lamploop.drive_distributed_training(
+        nranks=1,
+        device="cpu",
+        control=None,
+        model=lamploop.SupervisedModel(torch.nn.Linear(4, 3)),
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+        train_batches=lamploop.tensor_batches(torch.randn(8, 4), torch.randint(0, 3, (8,)), batch_size=4),
+        validation_batches=None,
+        max_epochs=2,
+        init_position=position,
+    )
+    with pytest.raises(ConfigurationError, match=r"taken with 2 ranks, this run has nranks=1"):
+        anyio.run(lambda: run)

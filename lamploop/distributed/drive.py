@@ -288,6 +288,13 @@ async def drive_distributed_training(
     if nranks > 1 and control is None:
         msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
         raise ConfigurationError(msg)
+    if init_position is not None and len(init_position.loss_sums) != nranks:
+        msg = (
+            f"drive_distributed_training: the step-boundary checkpoint to resume from was taken with "
+            f"{len(init_position.loss_sums)} ranks, this run has nranks={nranks}; resume it with as "
+            "many ranks, or from an epoch-boundary checkpoint"
+        )
+        raise ConfigurationError(msg)
     module = model.module
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.

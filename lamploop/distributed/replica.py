@@ -16,7 +16,6 @@ import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint import RngStates
-from lamploop.distributed.abandon import abandon
 from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequest
 from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
@@ -233,9 +232,14 @@ async def open_replica(
             timeout=settings.collective_timeout,
             abort=abort,
         )
-        strategy, optimizer = initial_sync(collectives, plan.model.module, plan.optimizer, settings.strategy)
-        resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
-        channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
+        try:
+            module = plan.model.module
+            strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
+            resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
+            channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
+        except BaseException:
+            collectives.abandon()  # the ranks failed to agree or a peer was lost while they met
+            raise
         return channel, optimizer, resume_at, keep_rngs
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
@@ -250,4 +254,4 @@ async def open_replica(
         # keep the group alive (destroying it would block on that work).
         channel.close(abandon=failed)
         if failed:
-            abandon(channel.collectives.group)
+            channel.collectives.abandon()

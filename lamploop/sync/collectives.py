@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lamploop.errors import DistributedError
+from lamploop.sync.abandon import abandon
 
 __all__ = ["POLL_S", "AbortSignal", "Collectives", "Group", "WaitAborted", "Work"]
 
@@ -88,22 +89,34 @@ class Collectives:
         self.timeout = timeout
         self.abort = abort if abort is not None else AbortSignal()
         self.stats_device = device if device.type == "cuda" else torch.device("cpu")
+        # Started and not yet waited for, with their tensors: what a failed run abandons.
+        self._in_flight: dict[int, tuple[Work, list[torch.Tensor]]] = {}
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> Work:
         """Start summing ``tensors`` in place over all ranks."""
-        return self.group.allreduce(tensors)
+        return self._started(self.group.allreduce(tensors), tensors)
 
     def reduce_to_root(self, tensors: list[torch.Tensor]) -> Work:
         """Start summing ``tensors`` into rank 0's."""
         options = dist.ReduceOptions()  # the default reduction is a sum
         options.rootRank = 0
-        return self.group.reduce(tensors, options)
+        return self._started(self.group.reduce(tensors, options), tensors)
 
     def broadcast_from_root(self, tensors: list[torch.Tensor]) -> Work:
         """Start overwriting ``tensors`` on every rank with rank 0's."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        return self.group.broadcast(tensors, options)
+        return self._started(self.group.broadcast(tensors, options), tensors)
+
+    def _started(self, work: Work, tensors: list[torch.Tensor]) -> Work:
+        self._in_flight[id(work)] = (work, tensors)
+        return work
+
+    def abandon(self) -> None:
+        """Leave the group and everything in flight on it behind (a failed run; see ``abandon``)."""
+        pending = [obj for work, tensors in self._in_flight.values() for obj in (work, *tensors)]
+        self._in_flight.clear()
+        abandon(self.group, *pending)
 
     def wait(self, work: Work, what: str) -> None:
         """Wait for ``work``; bounded by the timeout and ended early by the abort signal.
@@ -120,6 +133,7 @@ class Collectives:
                 raise WaitAborted(msg)
             try:
                 work.wait(_SLICE)
+                self._in_flight.pop(id(work), None)
                 return
             except RuntimeError as exc:
                 if work.is_completed() or "timed out" not in str(exc):

@@ -85,7 +85,7 @@ class ProcessGroupChannel:
         """Release the gradient syncs; with ``abandon`` (the run failed) wait for nothing.
 
         The group itself is the owner's: after a failure it may hold work that a lost peer
-        never joins, and destroying it would block (see :mod:`lamploop.distributed.abandon`).
+        never joins, and destroying it would block (see :mod:`lamploop.sync.abandon`).
         """
         for sync in self._syncs.values():
             sync.close(abandon=abandon)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_hostile.py --json bench-results/hostile.json [--quick]
+    python benchmarks/bench_hostile.py --json bench-results/hostile.json [--quick] [--pairs N]
 
 Two runs of the same training (2 processes on Gloo, the TCP control channel, a small MLP,
 a fixed number of epochs), one undisturbed and one while this process sends the root's
@@ -13,9 +13,10 @@ control port, from the moment it listens:
 3. 300 connections that say nothing, held open until the run ends;
 4. 100 new connections a second (garbage, then closed) until the run ends.
 
-Reported: the root process's CPU time (``/proc/<pid>/stat``, user + system) in each run and
-the extra share the flood cost, the run's wall time, how many strangers were sent, and
-whether the disturbed run's final parameters equal the undisturbed run's bit for bit.
+Reported, for each of ``--pairs`` pairs of runs (undisturbed, then flooded): the root
+process's CPU time (``/proc/<pid>/stat``, user + system) in each run, the extra share the
+flood cost and that extra divided by the strangers sent, the run's wall time, how many
+strangers were sent, and whether the disturbed run's final parameters equal the undisturbed run's bit for bit.
 """
 
 from __future__ import annotations
@@ -188,35 +189,66 @@ def main() -> None:
         torch.set_num_threads(1)
         anyio.run(_rank, int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
         return
-    args = make_parser(__doc__.splitlines()[0]).parse_args()
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3, help="undisturbed/flooded pairs (default 3)")
+    args = parser.parse_args()
     epochs = QUICK_EPOCHS if args.quick else EPOCHS
+    pairs = 1 if args.quick else args.pairs
     base = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-hostile-{os.getpid()}"
-    quiet = _run(base / "quiet", epochs, flood=False)
-    flooded = _run(base / "flooded", epochs, flood=True)
-    same = all(torch.equal(flooded["params"][k], v) for k, v in quiet["params"].items())
-    extra = flooded["root_cpu_s"] / quiet["root_cpu_s"] - 1.0
-    rows = [
-        ["undisturbed", f"{quiet['wall_s']:.1f}", f"{quiet['root_cpu_s']:.2f}", "-", str(quiet["codes"])],
+    rows, extras, results, same = [], [], [], True
+    for i in range(pairs):
+        quiet = _run(base / f"quiet{i}", epochs, flood=False)
+        flooded = _run(base / f"flooded{i}", epochs, flood=True)
+        same = same and all(torch.equal(flooded["params"][k], v) for k, v in quiet["params"].items())
+        extra = flooded["root_cpu_s"] / quiet["root_cpu_s"] - 1.0
+        extras.append(extra)
+        strangers = sum(flooded["sent"].values())
+        per_stranger_ms = 1e3 * (flooded["root_cpu_s"] - quiet["root_cpu_s"]) / strangers
+        rows.append(
+            [
+                str(i),
+                f"{quiet['wall_s']:.1f} / {flooded['wall_s']:.1f}",
+                f"{quiet['root_cpu_s']:.2f} / {flooded['root_cpu_s']:.2f}",
+                f"{extra * 100:+.1f}%",
+                f"{per_stranger_ms:.3f}",
+                json.dumps(flooded["sent"]),
+                f"{quiet['codes']} / {flooded['codes']}",
+            ]
+        )
+        results.append(
+            {
+                k: {kk: vv for kk, vv in r.items() if kk != "params"}
+                for k, r in (("undisturbed", quiet), ("flooded", flooded))
+            }
+        )
+    print_table(
         [
-            "flooded",
-            f"{flooded['wall_s']:.1f}",
-            f"{flooded['root_cpu_s']:.2f}",
-            json.dumps(flooded["sent"]),
-            str(flooded["codes"]),
+            "pair",
+            "wall s (quiet / flood)",
+            "root CPU s",
+            "extra",
+            "ms per stranger",
+            "strangers sent",
+            "exit codes",
         ],
-    ]
-    print_table(["run", "wall s", "root CPU s", "strangers sent", "exit codes"], rows)
-    print(f"root's extra CPU under the flood: {extra * 100:+.1f}% of the undisturbed run's (target < 10%)")
-    print(f"final parameters equal bit for bit: {same}")
+        rows,
+    )
+    ordered = sorted(extras)
+    median = ordered[len(ordered) // 2]
+    print(
+        f"root's extra CPU under the flood: median {median * 100:+.1f}% "
+        f"(range {ordered[0] * 100:+.1f}% .. {ordered[-1] * 100:+.1f}%) of the undisturbed run's "
+        "(target < 10%)"
+    )
+    print(f"final parameters equal bit for bit in every pair: {same}")
     if args.json:
         write_json(
             args.json,
             {
                 "machine": machine_info(),
                 "epochs": epochs,
-                "undisturbed": {k: v for k, v in quiet.items() if k != "params"},
-                "flooded": {k: v for k, v in flooded.items() if k != "params"},
-                "extra_root_cpu": extra,
+                "pairs": results,
+                "extra_root_cpu": extras,
                 "same_parameters": same,
             },
         )

@@ -6,12 +6,15 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import time
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 
 from lamploop.control import Rendezvous, Stop, TcpControlFollower, TcpControlRoot, Train
@@ -93,7 +96,10 @@ async def test_a_follower_joins_within_seconds_past_hundreds_of_silent_connectio
 
 
 async def test_large_frames_before_authentication_are_refused_at_their_header() -> None:
-    """64 strangers each announce a 4 MB hello: refused after the 4-byte header, nothing buffered."""
+    """64 strangers each announce a 4 MB hello: refused after the 4-byte header, nothing buffered.
+
+    They wait for the root's challenge first, as a follower does (a stranger that speaks
+    first is closed before any handshake, see the next test)."""
     refused_after: list[float] = []
     with anyio.fail_after(30):
         async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC, handshake_timeout=10.0) as root:
@@ -102,6 +108,7 @@ async def test_large_frames_before_authentication_are_refused_at_their_header() 
             async def big_hello() -> None:
                 async with await anyio.connect_tcp("127.0.0.1", port) as s:
                     started = time.monotonic()
+                    await s.receive()  # the challenge
                     await s.send((4 * 1024 * 1024).to_bytes(4, "big") + b"{" * 1024)
                     try:
                         while await s.receive():
@@ -119,3 +126,43 @@ async def test_large_frames_before_authentication_are_refused_at_their_header() 
             )
     assert len(refused_after) == 64
     assert max(refused_after) < 5.0  # well before the 10 s handshake timeout
+
+
+def _replies_until_closed(socks: list[socket.socket]) -> list[bytes]:
+    """What the root sends on each socket until it closes it."""
+    replies = []
+    for s in socks:
+        with s:
+            chunks = []
+            with contextlib.suppress(ConnectionResetError):  # unread bytes make the close a reset
+                while chunk := s.recv(4096):
+                    chunks.append(chunk)
+            replies.append(b"".join(chunks))
+    return replies
+
+
+async def test_a_stranger_that_speaks_before_the_challenge_is_closed_without_a_handshake() -> None:
+    """The root speaks first: bytes or a hang-up already waiting at accept mean a stranger.
+
+    Such a peer is closed without a challenge (no handshake, no task), the cheapest refusal;
+    a follower joining meanwhile is unaffected.
+    """
+    got: list[object] = []
+    with anyio.fail_after(30):
+        async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC) as root:
+            port = root.address[1]
+            # Blocking calls on purpose: the root (on this event loop) cannot accept until
+            # every stranger has connected (the kernel does that) and sent its bytes.
+            socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+            for s in socks:
+                s.sendall(b"\x00\x00\x00\x08garbage!")
+            replies = await anyio.to_thread.run_sync(_replies_until_closed, socks)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_follower_joins, port, got)
+                await root.on_rendezvous_ready(Rendezvous("127.0.0.1", 1))
+                await root.broadcast(Stop("done"))
+            refusals = root.recent_refusals
+    assert replies == [b""] * 20  # not even a challenge
+    assert len(refusals) == 16  # the last 16 are remembered
+    assert all("spoke before the root's challenge" in r for r in refusals), refusals
+    assert got == [Stop("done")]

@@ -56,9 +56,13 @@ def explain(exc: BaseException) -> str:
 def remote(stream: anyio.abc.SocketStream) -> str:
     """The peer's address as ``host:port`` (``[host]:port`` for IPv6), for messages."""
     try:
-        address = stream.extra(SocketAttribute.remote_address)
+        return address_text(stream.extra(SocketAttribute.remote_address))
     except (anyio.TypedAttributeLookupError, OSError):
         return "an unknown peer"
+
+
+def address_text(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) of a socket address."""
     if isinstance(address, tuple):
         host, port = address[0], address[1]
         return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
@@ -68,9 +72,9 @@ def remote(stream: anyio.abc.SocketStream) -> str:
 class Connection:
     """A socket stream that sends and receives whole messages; transport errors become ControlChannelError."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, *, peer: str, link: Link):
+    def __init__(self, stream: anyio.abc.SocketStream, *, peer: str | None = None, link: Link):
         self.stream = stream
-        self.peer = peer
+        self._peer = peer  # looked up when first needed: most strangers are never named
         self.rank: int | None = None
         self.finished = False  # Stop went through, or this side is leaving: the peer's EOF is expected
         self._link = link
@@ -78,6 +82,13 @@ class Connection:
         self._pending: deque[Message] = deque()
         self._send_lock = anyio.Lock()
         self._write_closed = False
+
+    @property
+    def peer(self) -> str:
+        """Who is at the other end, for messages (``host:port`` unless given)."""
+        if self._peer is None:
+            self._peer = remote(self.stream)
+        return self._peer
 
     @property
     def max_frame_bytes(self) -> int:
@@ -115,6 +126,14 @@ class Connection:
             msg = f"sending to {self.peer} failed: {explain(exc)}"
             raise ControlChannelError(msg) from exc
         return True
+
+    async def send_first(self, message: Message) -> None:
+        """Send the first message of a handshake, whose caller bounds the time (no lock, no own timeout)."""
+        try:
+            await self.stream.send(self.encode(message))
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            msg = f"sending to {self.peer} failed: {explain(exc)}"
+            raise ControlChannelError(msg) from exc
 
     async def send_best_effort(self, message: Message) -> None:
         """Try to send last words (Refuse, Abort) within a short bound, even in a cancelled scope."""
@@ -178,4 +197,6 @@ class Connection:
                 return
 
     async def aclose(self) -> None:
-        await anyio.aclose_forcefully(self.stream)
+        """Close at once (a socket stream's close does not wait), also in a cancelled scope."""
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()

@@ -33,7 +33,16 @@ __all__ = ["Unauthenticated", "authenticate_follower", "greet_root", "mismatch"]
 
 
 class Unauthenticated(Exception):
-    """A peer did not prove the token; the message says how (internal)."""
+    """A peer did not prove the token; the message says how (internal).
+
+    ``speaks_protocol`` is true when the peer sent a well-formed hello (a follower with
+    another token, say), which deserves a ``Refuse`` with the reason; a stranger that sent
+    garbage is only disconnected, which costs the root the least.
+    """
+
+    def __init__(self, reason: str, *, speaks_protocol: bool = False) -> None:
+        super().__init__(reason)
+        self.speaks_protocol = speaks_protocol
 
 
 async def authenticate_follower(conn: Connection, token: bytes) -> tuple[Hello, Welcome]:
@@ -47,7 +56,7 @@ async def authenticate_follower(conn: Connection, token: bytes) -> tuple[Hello, 
     """
     root_nonce = new_nonce()
     try:
-        await conn.send(Challenge(PROTOCOL_VERSION, root_nonce))
+        await conn.send_first(Challenge(PROTOCOL_VERSION, root_nonce))
         hello = await conn.receive()
     except ControlChannelError as exc:
         raise Unauthenticated(str(exc)) from exc
@@ -62,7 +71,7 @@ async def authenticate_follower(conn: Connection, token: bytes) -> tuple[Hello, 
         raise Unauthenticated(msg)
     if not proof_matches(follower_proof(token, root_nonce=root_nonce, hello=hello), hello.proof):
         msg = "the proof of the shared token did not match (wrong token?)"
-        raise Unauthenticated(msg)
+        raise Unauthenticated(msg, speaks_protocol=True)
     return hello, Welcome(root_proof(token, root_nonce=root_nonce, hello=hello))
 
 

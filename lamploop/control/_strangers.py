@@ -6,11 +6,18 @@ connections still handshaking: at the bound, the *oldest* is dropped (a real fol
 answers the challenge within milliseconds, so it is never the oldest for long), instead of
 queueing newcomers behind silent strangers.  :class:`RefusalLog` writes at most a few
 warnings per window and then one line saying how many more were refused.
+
+The cheapest refusal comes first: the root speaks first (its challenge), so a peer whose
+bytes, or whose hang-up, are already there when the connection is accepted is not a
+lamploop follower.  :func:`spoke_first` finds those with one non-blocking peek on the raw
+socket, and the root closes them without starting a handshake, which under a flood of
+strangers is most of them.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -18,9 +25,20 @@ from contextlib import contextmanager
 
 import anyio
 
-__all__ = ["PendingHandshakes", "RefusalLog"]
+__all__ = ["PendingHandshakes", "RefusalLog", "spoke_first"]
 
 logger = logging.getLogger("lamploop.control")
+
+
+def spoke_first(sock: socket.socket) -> bool:
+    """Whether the peer of a just-accepted socket sent bytes or hung up before being spoken to."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" at a hang-up, else a byte
+    except BlockingIOError:
+        return False  # nothing yet: as a follower waiting for the challenge
+    except OSError:  # reset already: not worth a handshake either
+        return True
+    return True
 
 
 class PendingHandshakes:

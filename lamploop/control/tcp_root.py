@@ -12,6 +12,7 @@ business; the protocol as a whole is described in :mod:`lamploop.control.tcp`.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from types import TracebackType
 
@@ -19,10 +20,10 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
-from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, remote
+from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, address_text
 from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
 from lamploop.control._settings import Link, Run, check_int, check_seconds
-from lamploop.control._strangers import PendingHandshakes, RefusalLog
+from lamploop.control._strangers import PendingHandshakes, RefusalLog, spoke_first
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.wire import (
@@ -243,19 +244,37 @@ class TcpControlRoot:
             task_status.started((str(address[0]), int(address[1])))
 
     async def _accept_forever(self, listener: anyio.abc.SocketListener) -> None:
+        # Accepting on the raw socket costs microseconds; a stream and a task are made only
+        # for a connection that could be a follower (see spoke_first).
+        raw = listener.extra(SocketAttribute.raw_socket)
         while True:
             try:
-                stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                await anyio.wait_readable(raw)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: keep serving the joined peers
-                logger.warning("control root: accepting a connection failed: %s", exc)
-                await anyio.sleep(0.1)
-                continue
-            self._sup.tg.start_soon(self._handle, stream)
+            while True:
+                try:
+                    sock, address = raw.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:  # e.g. out of file descriptors: keep serving the joined peers
+                    logger.warning("control root: accepting a connection failed: %s", exc)
+                    await anyio.sleep(0.1)
+                    break
+                if spoke_first(sock):
+                    self._refusals.refused(address_text(address), "it spoke before the root's challenge")
+                    sock.close()
+                    continue
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # heartbeats go at once
+                try:
+                    stream = await anyio.abc.SocketStream.from_socket(sock)
+                except OSError:  # gone meanwhile
+                    sock.close()
+                    continue
+                self._sup.tg.start_soon(self._handle, stream)
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        conn = Connection(stream, peer=remote(stream), link=self._link)
+        conn = Connection(stream, link=self._link)
         conn.max_frame_bytes = self._preauth_frame_bytes  # raised once the peer proves the token
         try:
             rank = await self._admit(conn)
@@ -277,7 +296,10 @@ class TcpControlRoot:
             await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
             return None
         except Unauthenticated as exc:
-            await self._refuse_stranger(conn, str(exc))
+            if exc.speaks_protocol:
+                await self._refuse_stranger(conn, str(exc))
+            else:  # garbage or a hang-up: no reply, the least work for a flood of strangers
+                self._refusals.refused(conn.peer, str(exc))
             return None
         rank = hello.rank
         reason = mismatch(hello, self._run, self._peers)

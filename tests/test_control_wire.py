@@ -18,6 +18,7 @@ from lamploop.control.wire import (
     PROTOCOL_VERSION,
     Abort,
     Challenge,
+    EndOfMessages,
     FrameDecoder,
     Heartbeat,
     Hello,
@@ -71,6 +72,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Welcome, proof=st.text()),
     st.builds(Refuse, reason=st.text()),
     st.just(Heartbeat()),
+    st.just(EndOfMessages()),
     st.builds(Abort, reason=st.text()),
 )
 

@@ -14,14 +14,12 @@ import json
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from fit_reference import Reference, check_against_single_process, single_process_fit
 from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
-import lamploop
 from lamploop.distributed.launch import DEFAULT_SLURM_CONTROL_PORT, LaunchEnv, launch_env
 from lamploop.errors import ConfigurationError
 
@@ -213,42 +211,16 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def single_process() -> tuple[lamploop.LoopState, dict[str, torch.Tensor]]:
+def single_process() -> Reference:
     """``fit`` on one process, batches of 16: what two ranks with batches of 8 must match."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("RANK", "WORLD_SIZE", "LAMPLOOP_RANK", "SLURM_PROCID"):
-            mp.delenv(name, raising=False)
-        kwargs = worker.fit_kwargs(0, 2 * worker.FIT_BATCH)
-        state = lamploop.fit(**kwargs)
-    assert state is not None
-    return state, kwargs["model"].module.state_dict()
-
-
-def _check_against_single_process(
-    out: Path, single: tuple[lamploop.LoopState, dict[str, torch.Tensor]], launcher: str | None
-) -> None:
-    result = json.loads((out / "result.json").read_text())
-    assert (result["launcher"], result["rank"]) == (launcher, 0)
-    state = lamploop.state.converter.structure(result["state"], lamploop.LoopState)
-    expected, expected_params = single
-    assert state.epoch == worker.FIT_EPOCHS
-    assert state.min_validation_epoch == expected.min_validation_epoch
-    for got, want in zip(state.learning_curve, expected.learning_curve, strict=True):
-        assert got.training_loss == pytest.approx(want.training_loss, abs=1e-9, rel=0)
-        assert got.validation_loss == pytest.approx(want.validation_loss, abs=1e-9, rel=0)
-    params = worker.load_file(str(out / "params.safetensors"))
-    assert sorted(params) == sorted(expected_params)
-    for name, value in expected_params.items():
-        torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0)
-    follower = json.loads((out / "follower-1.json").read_text())
-    assert (follower["rank"], follower["world_size"]) == (1, 2)
+    return single_process_fit()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(260)
 def test_fit_under_torchrun(launched: dict[str, Any], single_process: Any) -> None:
     assert launched["codes"]["torchrun"] == 0, launched["logs"]
-    _check_against_single_process(launched["outs"]["torchrun"], single_process, "torchrun")
+    check_against_single_process(launched["outs"]["torchrun"], single_process, "torchrun")
     follower = json.loads((launched["outs"]["torchrun"] / "follower-1.json").read_text())
     assert follower["launcher"] == "torchrun"
 
@@ -257,6 +229,6 @@ def test_fit_under_torchrun(launched: dict[str, Any], single_process: Any) -> No
 @pytest.mark.timeout(260)
 def test_fit_starts_its_own_follower(launched: dict[str, Any], single_process: Any) -> None:
     assert launched["codes"]["spawn"] == 0, launched["logs"]
-    _check_against_single_process(launched["outs"]["spawn"], single_process, None)
+    check_against_single_process(launched["outs"]["spawn"], single_process, None)
     follower = json.loads((launched["outs"]["spawn"] / "follower-1.json").read_text())
     assert follower["launcher"] == "lamploop"

@@ -1,5 +1,5 @@
-"""Two "hosts" (network namespaces joined by a veth pair, 10.200.0.0/30): the drive/follow recipe
-of docs/distributed.md across them, and a partition that cuts both channels at once.
+"""Two "hosts" (network namespaces joined by a veth pair, 10.200.0.0/30): the drive/follow and
+torchrun recipes of docs/distributed.md across them, and a partition that cuts both channels.
 
 Rank 0 runs in namespace a (10.200.0.1), rank 1 in namespace b (10.200.0.2); the root's
 control channel and store listen on 10.200.0.1, and Gloo binds to the interface that
@@ -10,6 +10,7 @@ cannot be made.  Every wait is bounded; the namespaces are removed whatever happ
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from fit_reference import check_against_single_process, single_process_fit
 from netns import ADDRESSES, two_hosts
 from workers import rank as worker
 
@@ -86,3 +88,27 @@ def test_a_partition_ends_both_sides_naming_the_other(tmp_path: Path) -> None:
         assert error["type"] == "PeerLostError", (result, logs)
         assert (error["rank"], error["how"]) == (blamed, "silent"), (result, logs)
         assert result["failed_at"] - cut < 15.0, (result, logs)
+
+
+def test_the_torchrun_recipe_for_two_nodes(tmp_path: Path) -> None:
+    """docs/distributed.md's "torchrun, several nodes": one torchrun per host, c10d rendezvous
+    on host a, ``LAMPLOOP_TOKEN`` set on both; ``fit`` trains as one process on the union."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = worker.worker_env(LAMPLOOP_TOKEN=secrets.token_hex(16))
+    with two_hosts() as hosts, worker.Processes(tmp_path) as procs:
+        for which in ("a", "b"):
+            torchrun = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES['a']}:29400", "--rdzv-id", "recipe",
+                # The namespaces share the machine's host name, which resolves to neither address:
+                # say which host keeps the rendezvous store and what each host's address is.
+                "--rdzv-conf", f"is_host={int(which == 'a')}", "--local-addr", ADDRESSES[which],
+                str(worker.WORKER_SCRIPT), "fit", str(out), "torchrun",
+            ]  # fmt: skip
+            procs.start(which, hosts.run(which, torchrun), env=env)
+        codes = procs.wait_all(200, grace=30)
+        logs = procs.logs()
+    assert codes == {"a": 0, "b": 0}, logs
+    check_against_single_process(out, single_process_fit(), "torchrun")

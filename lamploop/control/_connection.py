@@ -22,7 +22,7 @@ import attrs
 from anyio.abc import SocketAttribute
 
 from lamploop.control._settings import Link
-from lamploop.control.wire import FrameDecoder, Heartbeat, Message, encode_frame
+from lamploop.control.wire import EndOfMessages, FrameDecoder, Heartbeat, Message, encode_frame
 from lamploop.errors import ControlChannelError
 
 __all__ = ["GOODBYE_TIMEOUT", "Connection", "Gone", "remote"]
@@ -53,7 +53,7 @@ def explain(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def remote(stream: anyio.abc.SocketStream) -> str:
+def remote(stream: anyio.abc.ByteStream) -> str:
     """The peer's address as ``host:port`` (``[host]:port`` for IPv6), for messages."""
     try:
         return address_text(stream.extra(SocketAttribute.remote_address))
@@ -72,7 +72,7 @@ def address_text(address: object) -> str:
 class Connection:
     """A socket stream that sends and receives whole messages; transport errors become ControlChannelError."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, *, peer: str | None = None, link: Link):
+    def __init__(self, stream: anyio.abc.ByteStream, *, peer: str | None = None, link: Link):
         self.stream = stream
         self._peer = peer  # looked up when first needed: most strangers are never named
         self.rank: int | None = None
@@ -82,6 +82,7 @@ class Connection:
         self._pending: deque[Message] = deque()
         self._send_lock = anyio.Lock()
         self._write_closed = False
+        self._peer_ended = False  # an EndOfMessages arrived (the half-close of a TLS stream)
 
     @property
     def peer(self) -> str:
@@ -144,15 +145,23 @@ class Connection:
                 logger.debug("could not tell %s %r: %s", self.peer, message, exc)
 
     async def send_eof(self) -> None:
-        """Close the sending direction after what was sent; heartbeats stop."""
+        """Close the sending direction after what was sent; heartbeats stop.
+
+        A TLS stream cannot close one direction: there an ``EndOfMessages`` frame says it.
+        """
         async with self._send_lock:
             self._write_closed = True
             with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await self.stream.send_eof()  # only fails if the connection is already gone
+                try:
+                    await self.stream.send_eof()  # only fails if the connection is already gone
+                except NotImplementedError:
+                    await self.stream.send(self.encode(EndOfMessages()))
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream; raises ControlChannelError / FrameError."""
         while not self._pending:
+            if self._peer_ended:
+                return None
             try:
                 data = await self.stream.receive(_RECEIVE_BYTES)
             except anyio.EndOfStream:
@@ -164,7 +173,12 @@ class Connection:
                 msg = f"receiving from {self.peer} failed: {explain(exc)}"
                 raise ControlChannelError(msg) from exc
             self._pending.extend(self._decoder.feed(data))
-        return self._pending.popleft()
+        message = self._pending.popleft()
+        if isinstance(message, EndOfMessages):
+            self._peer_ended = True
+            self._pending.clear()  # nothing may follow it
+            return None
+        return message
 
     async def receive_live(self) -> Message | Gone:
         """The next message from a joined peer, or how it is gone.

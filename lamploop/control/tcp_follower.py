@@ -13,6 +13,7 @@ with the root, and queues the root's commands for the owner's iterator (at most
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from types import TracebackType
 
@@ -20,13 +21,14 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lamploop.control import _tls as tls
 from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
 from lamploop.control._handshake import greet_root
 from lamploop.control._settings import Link, Run, check_int, check_seconds
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Abort, Heartbeat
-from lamploop.errors import ControlChannelError, PeerLostError
+from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
 
 __all__ = ["MAX_UNREAD_COMMANDS", "TcpControlFollower"]
@@ -55,6 +57,9 @@ class TcpControlFollower:
             past the timeout.
         handshake_timeout: seconds the root may take to answer, once connected.
         max_frame_bytes: the largest frame body sent or accepted.
+        ssl_context: TLS for this connection: a client context
+            (``ssl.create_default_context(cafile=...)``) that trusts the root's certificate;
+            the root's ``host`` is checked against it.  ``None`` (default): no TLS.
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -74,6 +79,7 @@ class TcpControlFollower:
         heartbeat_timeout: float = 10.0,
         handshake_timeout: float = 10.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
         _protocol_version: int = PROTOCOL_VERSION,
     ) -> None:
         self._run = Run.checked(nranks, token, model_spec)
@@ -88,6 +94,7 @@ class TcpControlFollower:
         self._connect_timeout = connect_timeout
         self._handshake_timeout = handshake_timeout
         self._protocol_version = _protocol_version
+        self._tls = tls.check_context("ssl_context", ssl_context, server_side=False)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._conn: Connection | None = None
         self._rendezvous: Rendezvous | None = None
@@ -147,10 +154,12 @@ class TcpControlFollower:
         if self._conn is not None:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
-        stream = await self._connect()
+        stream: anyio.abc.ByteStream = await self._connect()
         conn = self._conn = Connection(stream, peer=self._root, link=self._link)
         try:
             with anyio.fail_after(self._handshake_timeout):
+                if self._tls is not None:
+                    conn.stream = await self._secure(stream, self._tls)
                 await greet_root(conn, self._run, rank=self.rank, protocol_version=self._protocol_version)
         except TimeoutError as exc:
             timeout = self._handshake_timeout
@@ -167,6 +176,15 @@ class TcpControlFollower:
             msg = f"rank {self.rank}: woken up without a rendezvous"
             raise ControlChannelError(msg)
         return self._rendezvous, self._commands
+
+    async def _secure(self, stream: anyio.abc.ByteStream, context: ssl.SSLContext) -> anyio.abc.ByteStream:
+        try:
+            return await tls.wrap(stream, context, server_side=False, hostname=self._host)
+        except ControlChannelError as exc:
+            await anyio.aclose_forcefully(stream)
+            question = f"is {self._root} a lamploop root with TLS, and is its certificate trusted?"
+            msg = f"rank {self.rank}: {exc} ({question})"
+            raise HandshakeError(msg) from exc
 
     async def _connect(self) -> anyio.abc.SocketStream:
         deadline = anyio.current_time() + self._connect_timeout

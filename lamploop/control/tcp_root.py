@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from collections.abc import Callable
 from types import TracebackType
 
@@ -20,6 +21,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
+from lamploop.control import _tls as tls
 from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, address_text
 from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
 from lamploop.control._settings import Link, Run, check_int, check_seconds
@@ -64,6 +66,10 @@ class TcpControlRoot:
         max_pending_handshakes: connections handshaking at once; a new one past this drops
             the oldest (strangers cannot hold the port, or file descriptors, and a real
             follower, which answers at once, is never kept waiting behind them).
+        ssl_context: TLS for every connection: a server context with the root's certificate
+            (``ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)`` then
+            ``load_cert_chain(...)``; require client certificates there if you want them).
+            ``None`` (default): no TLS, the token's proofs alone authenticate the peers.
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -83,6 +89,7 @@ class TcpControlRoot:
         handshake_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_pending_handshakes: int = 64,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._run = Run.checked(nranks, token, model_spec)
         self._link = Link.checked(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
@@ -94,6 +101,7 @@ class TcpControlRoot:
         self._join_timeout = join_timeout
         self._handshake_timeout = handshake_timeout
         self._handshakes = PendingHandshakes(max_pending_handshakes)
+        self._tls = tls.check_context("ssl_context", ssl_context, server_side=True)
         self._preauth_frame_bytes = preauth_frame_limit(nranks, model_spec, max_frame_bytes)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._address: tuple[str, int] | None = None
@@ -261,7 +269,7 @@ class TcpControlRoot:
                     logger.warning("control root: accepting a connection failed: %s", exc)
                     await anyio.sleep(0.1)
                     break
-                if spoke_first(sock):
+                if self._tls is None and spoke_first(sock):  # under TLS the client speaks first
                     self._refusals.refused(address_text(address), "it spoke before the root's challenge")
                     sock.close()
                     continue
@@ -273,7 +281,7 @@ class TcpControlRoot:
                     continue
                 self._sup.tg.start_soon(self._handle, stream)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         conn = Connection(stream, link=self._link)
         conn.max_frame_bytes = self._preauth_frame_bytes  # raised once the peer proves the token
         try:
@@ -287,6 +295,8 @@ class TcpControlRoot:
         """Run the handshake; the follower's rank once welcomed, ``None`` if refused."""
         try:
             with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
+                if self._tls is not None:
+                    conn.stream = await self._secure(conn.stream, self._tls)
                 hello, welcome = await authenticate_follower(conn, self._run.token)
             if slot.cancelled_caught:
                 await self._refuse_stranger(conn, "dropped: the oldest of too many connections handshaking")
@@ -321,6 +331,13 @@ class TcpControlRoot:
         if len(self._peers) == self._run.nranks - 1:
             self._joined_or_failed.set()  # after the welcome, so the rendezvous cannot overtake it
         return rank
+
+    @staticmethod
+    async def _secure(stream: anyio.abc.ByteStream, context: ssl.SSLContext) -> anyio.abc.ByteStream:
+        try:
+            return await tls.wrap(stream, context, server_side=True)
+        except ControlChannelError as exc:
+            raise Unauthenticated(str(exc)) from exc
 
     async def _refuse_stranger(self, conn: Connection, reason: str) -> None:
         self._refusals.refused(conn.peer, reason)

@@ -37,6 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "Challenge",
+    "EndOfMessages",
     "FrameDecoder",
     "Heartbeat",
     "Hello",
@@ -123,8 +124,27 @@ class Abort:
     how: str | None = None
 
 
+@attrs.frozen
+class EndOfMessages:
+    """Either way: nothing more comes from this side, as a TCP half-close would say.
+
+    Sent only on a stream that cannot close one direction (TLS); the receiver reads it as
+    the end of the stream.
+    """
+
+
 Message: TypeAlias = (
-    Train | Valid | Stop | Rendezvous | Challenge | Hello | Welcome | Refuse | Heartbeat | Abort
+    Train
+    | Valid
+    | Stop
+    | Rendezvous
+    | Challenge
+    | Hello
+    | Welcome
+    | Refuse
+    | Heartbeat
+    | Abort
+    | EndOfMessages
 )
 """Every message that travels in a frame."""
 
@@ -139,6 +159,7 @@ _TAGS: Final[dict[type[Any], str]] = {
     Refuse: "refuse",
     Heartbeat: "heartbeat",
     Abort: "abort",
+    EndOfMessages: "end_of_messages",
 }
 _TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in _TAGS.items()}
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_hostile.py --json bench-results/hostile.json [--quick] [--pairs N]
+    python benchmarks/bench_hostile.py --json bench-results/hostile.json [--quick] [--pairs N] [--epochs N]
 
 Two runs of the same training (2 processes on Gloo, the TCP control channel, a small MLP,
 a fixed number of epochs), one undisturbed and one while this process sends the root's
@@ -191,8 +191,9 @@ def main() -> None:
         return
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="undisturbed/flooded pairs (default 3)")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs per run (default {EPOCHS})")
     args = parser.parse_args()
-    epochs = QUICK_EPOCHS if args.quick else EPOCHS
+    epochs = QUICK_EPOCHS if args.quick else args.epochs
     pairs = 1 if args.quick else args.pairs
     base = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-hostile-{os.getpid()}"
     rows, extras, results, same = [], [], [], True

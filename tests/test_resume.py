@@ -12,6 +12,8 @@ import pytest
 import safetensors.torch
 import torch
 
+import lamploop
+
 WORKER = Path(__file__).parent / "workers" / "resume.py"
 
 
@@ -46,3 +48,42 @@ def test_a_fresh_process_resumed_at_epoch_3_ends_bitwise_equal(tmp_path: Path) -
     assert resumed_run["state"] == full_run["state"]  # the same learning curve, to the last bit
     assert resumed_run["best_epoch"] == full_run["best_epoch"]
     assert len(full_run["state"]["learning_curve"]) == 6
+
+
+_DATA = (torch.randn(64, 4, generator=torch.Generator().manual_seed(3)), torch.arange(64) % 2)
+
+
+class _HalveEveryTwoEpochs:
+    """A schedule written to DESIGN.md's bare protocol: only ``init`` and ``learning_rate_factor``."""
+
+    def init(self) -> int:
+        return 0
+
+    def learning_rate_factor(
+        self, state: int, epoch: int, last_validation_loss: float | None
+    ) -> tuple[int, float]:
+        return state + 1, 0.5 ** ((state + 1) // 2)
+
+
+def test_a_schedule_with_only_the_protocols_two_methods_checkpoints_and_resumes(tmp_path: Path) -> None:
+    def run(max_epochs: int, checkpoints: Path | None) -> tuple[lamploop.LoopState, list[float]]:
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 2)
+        state = lamploop.fit(
+            model=lamploop.SupervisedModel(module),
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+            train_batches=lamploop.tensor_batches(*_DATA, batch_size=8, seed=1),
+            validation_batches=lamploop.tensor_batches(*_DATA, batch_size=16, shuffle=False),
+            max_epochs=max_epochs,
+            learning_rate_schedule=_HalveEveryTwoEpochs(),
+            checkpoint_dir=checkpoints,
+        )
+        assert state is not None
+        return state, module.weight.detach().flatten().tolist()
+
+    straight, straight_weights = run(4, None)
+    run(2, tmp_path)  # stops after 2 epochs with a checkpoint whose schedule state is an int
+    resumed, resumed_weights = run(4, tmp_path)
+    assert resumed.epoch == straight.epoch == 4
+    assert resumed.learning_curve == straight.learning_curve
+    assert resumed_weights == straight_weights

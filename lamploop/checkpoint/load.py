@@ -229,7 +229,9 @@ def _read_tensors(
 def _structure_schedule_state(
     descriptor: _Descriptor, schedule: LearningRateSchedule[Any], where: pathlib.Path
 ) -> Any:
-    target = schedule.state_type
+    # A schedule written to the bare protocol (init and learning_rate_factor) need not say
+    # its state type: its initial state's type stands in.
+    target = getattr(schedule, "state_type", None) or type(schedule.init())
     raw = descriptor.schedule_state
     try:
         return converter.structure(raw, target)
@@ -255,7 +257,8 @@ def load_checkpoint(
         path: a checkpoint directory, or the root directory (then the one its
             ``latest`` pointer names is read).
         schedule: the learning-rate schedule the run resumes with; the stored
-            schedule state is structured into ``schedule.state_type``.  Without
+            schedule state is structured into ``schedule.state_type`` (the type of
+            ``schedule.init()`` for a schedule without that attribute).  Without
             it, :attr:`Checkpoint.schedule_state` is the raw JSON value.
         model: a module or state dict the checkpoint must fit: same tensor
             names, order, shapes and dtypes (checked before any tensor is read).

@@ -34,6 +34,7 @@ import anyio
 import attrs
 import torch
 
+from lamploop.arguments import check_batch_factory, check_model, check_optimizer_factory
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lamploop.control.tcp import TcpControlRoot
@@ -227,6 +228,10 @@ async def fit_async(
             rank is a :class:`~lamploop.errors.PeerLostError` naming it.
         lamploop.errors.TrainingInterrupted: stopped by a signal (``reason`` names it).
     """
+    check_model("fit", model)
+    check_optimizer_factory("fit", optimizer_factory)
+    check_batch_factory("fit", "train_batches", train_batches)
+    check_batch_factory("fit", "validation_batches", validation_batches)
     settings = TrainingSettings.from_arguments(locals())
     place = _place(world_size, device)
     spec = model_spec(model.module)

@@ -1,0 +1,64 @@
+"""Checks of the arguments a user passes, made before anything starts, with a message that says what to pass.
+
+The common mistakes (a bare ``nn.Module`` for the model, an optimizer for the optimizer
+factory, tensors or a ``DataLoader`` for a batch factory) would otherwise fail deep inside
+the first epoch with an ``AttributeError`` or ``TypeError`` that names none of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lamploop.errors import ConfigurationError
+
+__all__ = ["check_batch_factory", "check_model", "check_optimizer_factory"]
+
+
+def check_model(where: str, model: Any) -> None:
+    """``model`` must be a :class:`~lamploop.SupervisedModel` (or have its two attributes)."""
+    if isinstance(model, torch.nn.Module):
+        msg = (
+            f"{where}: model is a torch.nn.Module ({type(model).__name__}); wrap it with its loss: "
+            "lamploop.SupervisedModel(module) (cross-entropy) or lamploop.SupervisedModel(module, loss=...)"
+        )
+        raise ConfigurationError(msg)
+    if not isinstance(getattr(model, "module", None), torch.nn.Module) or not callable(
+        getattr(model, "loss_sum_and_count", None)
+    ):
+        msg = f"{where}: model must be a lamploop.SupervisedModel, got {type(model).__name__}"
+        raise ConfigurationError(msg)
+
+
+def check_optimizer_factory(where: str, factory: Any, *, optional: bool = False) -> None:
+    """``factory`` must make an optimizer from parameters (or be ``None`` if ``optional``)."""
+    if factory is None and optional:
+        return
+    if isinstance(factory, torch.optim.Optimizer):
+        msg = (
+            f"{where}: optimizer_factory is an optimizer ({type(factory).__name__}); pass a function that "
+            "makes one from the parameters, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+        raise ConfigurationError(msg)
+    if not callable(factory):
+        msg = f"{where}: optimizer_factory must be a function of the parameters, got {type(factory).__name__}"
+        raise ConfigurationError(msg)
+
+
+def check_batch_factory(where: str, name: str, factory: Any) -> None:
+    """``factory`` must be a batch factory (a callable of the batch context), not the data itself."""
+    if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
+        return
+    kind = type(factory).__name__
+    if isinstance(factory, torch.utils.data.DataLoader):
+        hint = f"lamploop.dataloader_batches({name}_loader)"
+    elif isinstance(factory, torch.Tensor | list | tuple):
+        hint = "lamploop.tensor_batches(features, targets, batch_size=...)"
+    else:
+        hint = "lamploop.tensor_batches(...) or lamploop.dataloader_batches(...)"
+    msg = (
+        f"{where}: {name} must be a batch factory (called once per epoch with the batch context), "
+        f"got {kind}; make one with {hint}"
+    )
+    raise ConfigurationError(msg)

@@ -1,0 +1,79 @@
+"""The common mistakes with ``fit``'s arguments get a ConfigurationError naming the argument and the fix,
+before anything starts (no process spawned, no epoch begun)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import lamploop
+from lamploop.errors import ConfigurationError
+
+X, Y = torch.randn(32, 4, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 2
+BATCHES = lamploop.tensor_batches(X, Y, batch_size=8)
+
+
+def _fit(**changes: Any) -> None:
+    arguments: dict[str, Any] = {
+        "model": lamploop.SupervisedModel(torch.nn.Linear(4, 2)),
+        "optimizer_factory": lambda params: torch.optim.SGD(params, lr=0.1),
+        "train_batches": BATCHES,
+        "validation_batches": BATCHES,
+        "max_epochs": 1,
+    }
+    lamploop.fit(**{**arguments, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        pytest.param(
+            {"model": torch.nn.Linear(4, 2)},
+            "fit: model is a torch.nn.Module (Linear); wrap it with its loss: "
+            "lamploop.SupervisedModel(module)",
+            id="module-as-model",
+        ),
+        pytest.param(
+            {"model": "resnet"},
+            "fit: model must be a lamploop.SupervisedModel, got str",
+            id="string-as-model",
+        ),
+        pytest.param(
+            {"optimizer_factory": torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)},
+            "fit: optimizer_factory is an optimizer (SGD); "
+            "pass a function that makes one from the parameters",
+            id="optimizer-as-factory",
+        ),
+        pytest.param(
+            {"optimizer_factory": 0.1},
+            "fit: optimizer_factory must be a function of the parameters, got float",
+            id="number-as-factory",
+        ),
+        pytest.param(
+            {"train_batches": X},
+            "fit: train_batches must be a batch factory (called once per epoch with the batch context), "
+            "got Tensor; make one with lamploop.tensor_batches(features, targets, batch_size=...)",
+            id="tensor-as-batches",
+        ),
+        pytest.param(
+            {"validation_batches": [(X, Y)]},
+            "fit: validation_batches must be a batch factory",
+            id="list-as-batches",
+        ),
+        pytest.param(
+            {"train_batches": torch.utils.data.DataLoader(list(zip(X, Y, strict=True)), batch_size=8)},
+            "got DataLoader; make one with lamploop.dataloader_batches(train_batches_loader)",
+            id="dataloader-as-batches",
+        ),
+    ],
+)
+def test_a_common_mistake_is_named_before_training_starts(changes: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        _fit(**changes)
+    assert expected in str(caught.value)
+
+
+def test_the_right_arguments_train() -> None:
+    _fit()  # the baseline of the mistakes above: no error

@@ -46,8 +46,13 @@ def check_optimizer_factory(where: str, factory: Any, *, optional: bool = False)
         raise ConfigurationError(msg)
 
 
-def check_batch_factory(where: str, name: str, factory: Any) -> None:
-    """``factory`` must be a batch factory (a callable of the batch context), not the data itself."""
+def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool = False) -> None:
+    """``factory`` must be a batch factory (a callable of the batch context), not the data itself.
+
+    ``None`` passes when ``optional`` (no validation batches: no validation).
+    """
+    if factory is None and optional:
+        return
     if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
         return
     kind = type(factory).__name__

@@ -231,7 +231,7 @@ async def fit_async(
     check_model("fit", model)
     check_optimizer_factory("fit", optimizer_factory)
     check_batch_factory("fit", "train_batches", train_batches)
-    check_batch_factory("fit", "validation_batches", validation_batches)
+    check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
     settings = TrainingSettings.from_arguments(locals())
     place = _place(world_size, device)
     spec = model_spec(model.module)

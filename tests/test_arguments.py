@@ -77,3 +77,4 @@ def test_a_common_mistake_is_named_before_training_starts(changes: dict[str, Any
 
 def test_the_right_arguments_train() -> None:
     _fit()  # the baseline of the mistakes above: no error
+    _fit(validation_batches=None)  # no validation is not a mistake

@@ -31,10 +31,8 @@ def check_model(where: str, model: Any) -> None:
         raise ConfigurationError(msg)
 
 
-def check_optimizer_factory(where: str, factory: Any, *, optional: bool = False) -> None:
-    """``factory`` must make an optimizer from parameters (or be ``None`` if ``optional``)."""
-    if factory is None and optional:
-        return
+def check_optimizer_factory(where: str, factory: Any) -> None:
+    """``factory`` must make an optimizer from parameters."""
     if isinstance(factory, torch.optim.Optimizer):
         msg = (
             f"{where}: optimizer_factory is an optimizer ({type(factory).__name__}); pass a function that "

@@ -119,19 +119,19 @@ class Connection:
                             return False
                         msg = f"cannot send to {self.peer}: this side has closed the connection for sending"
                         raise ControlChannelError(msg)
-                    await self.stream.send(data)
+                    await self._send_now(data)
         except TimeoutError as exc:
             msg = f"sending to {self.peer} took over {send_timeout:g} s: is it still reading?"
-            raise ControlChannelError(msg) from exc
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            msg = f"sending to {self.peer} failed: {explain(exc)}"
             raise ControlChannelError(msg) from exc
         return True
 
     async def send_first(self, message: Message) -> None:
         """Send the first message of a handshake, whose caller bounds the time (no lock, no own timeout)."""
+        await self._send_now(self.encode(message))
+
+    async def _send_now(self, data: bytes) -> None:
         try:
-            await self.stream.send(self.encode(message))
+            await self.stream.send(data)
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             msg = f"sending to {self.peer} failed: {explain(exc)}"
             raise ControlChannelError(msg) from exc

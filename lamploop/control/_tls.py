@@ -55,6 +55,6 @@ async def wrap(
             ssl_context=context,
             standard_compatible=False,
         )
-    except (OSError, anyio.BrokenResourceError, anyio.EndOfStream, ssl.SSLError) as exc:
+    except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:  # ssl.SSLError is an OSError
         msg = f"the TLS handshake with {remote(stream)} failed: {explain(exc)}"
         raise ControlChannelError(msg) from exc

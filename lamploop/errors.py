@@ -46,12 +46,25 @@ class NonFiniteLossError(LamploopError, FloatingPointError):
         epoch: the epoch in which it happened (``None`` if unknown).
         batch: the 0-based index of the first bad batch in that epoch on this
             rank, or ``None`` if the bad value came from another rank.
+        step: the 0-based optimizer step of the epoch whose loss was bad (``None``
+            when found at the epoch's end, e.g. in validation).
+        ranks: the ranks whose loss was bad at that step (empty when unknown).
     """
 
-    def __init__(self, message: str, *, epoch: int | None, batch: int | None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        epoch: int | None,
+        batch: int | None,
+        step: int | None = None,
+        ranks: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.epoch = epoch
         self.batch = batch
+        self.step = step
+        self.ranks = ranks
 
 
 class CheckpointError(LamploopError):

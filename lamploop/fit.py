@@ -50,6 +50,7 @@ from lamploop.distributed.launch import (
 )
 from lamploop.errors import ConfigurationError, TrainingInterrupted
 from lamploop.loop.epoch_driver import ALL_EPOCHS
+from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
 from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFailed, RunFinished, report_all
@@ -184,6 +185,7 @@ async def fit_async(
     reporters: Sequence[Reporter] | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
+    on_non_finite_loss: NonFiniteLossPolicy = "raise",
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -218,6 +220,9 @@ async def fit_async(
         reporters: who hears about the run (default: a :class:`LoggingReporter`).
         checkpoint_every_n_steps, checkpoint_every_seconds: also checkpoint inside epochs,
             at the step boundary after every N steps or T seconds (needs ``checkpoint_dir``).
+        on_non_finite_loss: ``"raise"`` (default) stops at the step whose loss is NaN or
+            infinite on any rank, naming the epoch, step and rank; ``"skip_step"`` skips that
+            step on every rank and goes on (see :mod:`lamploop.loop.non_finite`).
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from

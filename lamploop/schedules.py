@@ -123,7 +123,11 @@ class Linear(_Stateless):
     max_steps: int
 
     def factor(self, epoch: int) -> float:
-        return self.start + (self.end - self.start) * min(epoch, self.max_steps) / self.max_steps
+        if epoch >= self.max_steps:
+            # Exactly ``end``: the formula can miss it (0.99999 + -0.99999 * 9 / 9 is
+            # 1.1e-16), and with end=0 training would not stop where the docs say.
+            return self.end
+        return self.start + (self.end - self.start) * epoch / self.max_steps
 
 
 @attrs.frozen

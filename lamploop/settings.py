@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Mapping
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import attrs
 
 from lamploop.errors import ConfigurationError
 from lamploop.schedules import LearningRateSchedule, noop
+
+if TYPE_CHECKING:
+    from lamploop.loop.non_finite import NonFiniteLossPolicy
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -120,6 +123,12 @@ def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigurationError(msg)
 
 
+def _non_finite_policy(_: object, __: attrs.Attribute[str], value: str) -> None:
+    from lamploop.loop.non_finite import check_policy  # loop imports settings' constants
+
+    check_policy(value)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -147,6 +156,8 @@ class TrainingSettings:
         bucket_cap_mb: the gradient bucket size in MiB.
         collective_timeout: seconds before a collective whose peers are alive but never
             arrive fails (see :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`).
+        checkpoint_every_n_steps, checkpoint_every_seconds: checkpoints inside epochs.
+        on_non_finite_loss: ``"raise"`` or ``"skip_step"`` (see :mod:`lamploop.loop.non_finite`).
 
     Raises:
         ConfigurationError: a value is out of range; the message names the argument.
@@ -163,12 +174,14 @@ class TrainingSettings:
     collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, validator=_seconds)
     checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
+    on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
 
     EVERY_RANK: ClassVar[tuple[str, ...]] = (
         "accumulate_gradient_over_n_batches",
         "strategy",
         "bucket_cap_mb",
         "collective_timeout",
+        "on_non_finite_loss",
     )
     """The settings every rank must hold alike (followers take only these)."""
 

@@ -65,6 +65,21 @@ def test_linear(start: float, end: float, max_steps: int) -> None:
     )
 
 
+@given(
+    start=st.floats(1e-6, 1e3, allow_nan=False),
+    end=st.floats(-1e3, 1e3, allow_nan=False),
+    max_steps=st.integers(1, 50),
+)
+def test_linear_is_exactly_start_and_end_at_its_ends(start: float, end: float, max_steps: int) -> None:
+    # A hypothesis run of test_loop found linear(0.99999, 0, 9) giving 1.1e-16 at epoch 9,
+    # so training went on past the epoch where the docs say it stops.
+    schedule = schedules.linear(start=start, end=end, max_steps=max_steps)
+    state = schedule.init()
+    assert schedule.learning_rate_factor(state, 0, None)[1] == start
+    assert schedule.learning_rate_factor(state, max_steps, None)[1] == end
+    assert schedule.learning_rate_factor(state, max_steps + 3, None)[1] == end
+
+
 def test_linear_docstring_example() -> None:
     assert factors(schedules.linear(start=1.0, end=0.0, max_steps=4), range(6)) == pytest.approx(
         [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]

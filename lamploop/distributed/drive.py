@@ -40,6 +40,7 @@ from lamploop.distributed.replica import RankPlan, Replica, learning_rates, open
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
+from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
@@ -227,6 +228,7 @@ async def drive_distributed_training(
     host: str = "127.0.0.1",
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    on_non_finite_loss: NonFiniteLossPolicy = "raise",
     checkpoint_position: CheckpointPosition | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
@@ -261,6 +263,9 @@ async def drive_distributed_training(
         bucket_cap_mb: gradient bucket size.
         collective_timeout: seconds before a collective whose peers are all alive but never
             arrive fails (lost ranks are found by the control channel long before).
+        on_non_finite_loss: a training step with a NaN or infinite loss on any rank raises
+            :class:`~lamploop.errors.NonFiniteLossError` (``"raise"``) or is skipped by every
+            rank (``"skip_step"``); must equal the followers'.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is

@@ -21,6 +21,7 @@ from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.errors import ConfigurationError
+from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
@@ -73,6 +74,7 @@ async def local_data_parallel_training_loop(
     strategy: str = "auto",
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    on_non_finite_loss: NonFiniteLossPolicy = "raise",
 ) -> LoopState:
     """Data-parallel training in one process: one replica per device, one thread each.
 

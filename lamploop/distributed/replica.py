@@ -105,6 +105,7 @@ class Replica:
             epoch,
             step_optimizer=step,
             accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
+            on_non_finite_loss=self.settings.on_non_finite_loss,
             start=start,
             boundary=self.boundary,
         )

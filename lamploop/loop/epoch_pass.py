@@ -16,8 +16,9 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -25,14 +26,17 @@ import anyio.to_thread
 import torch
 
 from lamploop.batches import BatchStream
-from lamploop.errors import BatchError, ConfigurationError
+from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
 from lamploop.loop.batch_checks import check_finite, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
+from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
 from lamploop.model import SupervisedModel
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 from lamploop.sync.strategy import GradientSync
 
 __all__ = ["one_epoch"]
+
+_log = logging.getLogger(__name__)
 
 _YIELD_EVERY_S = 0.02
 """Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
@@ -87,6 +91,7 @@ async def one_epoch(
     epoch: int | None = None,
     start: EpochStart | None = None,
     boundary: StepBoundary | None = None,
+    on_non_finite_loss: NonFiniteLossPolicy = "raise",
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -103,18 +108,23 @@ async def one_epoch(
         epoch: only used to say where an error happened.
         start: resume a training pass at a step boundary (see :mod:`lamploop.loop.boundary`).
         boundary: asked at every step boundary whether to checkpoint or stop.
+        on_non_finite_loss: what a training step with a NaN or infinite loss on any rank
+            does: ``"raise"`` (before the optimizer step) or ``"skip_step"`` (every rank
+            drops that step; see :mod:`lamploop.loop.non_finite`).  Validation always raises.
 
     Raises:
         ConfigurationError: bad arguments.
         BatchError: an empty or malformed batch (says which epoch, batch and
             rank), or no rank had any batch.
-        NonFiniteLossError: a loss was NaN or infinite (says which batch).
+        NonFiniteLossError: a loss was NaN or infinite (says which epoch, step, batch and
+            rank), or every step of the pass was skipped for one.
         EpochStopped: the ranks stopped at a step boundary on request.
     """
     k = accumulate_gradient_over_n_batches
     if not isinstance(k, int) or k < 1:
         msg = f"one_epoch: accumulate_gradient_over_n_batches must be an int >= 1, got {k!r}"
         raise ConfigurationError(msg)
+    policy = check_policy(on_non_finite_loss)
     channel = channel if channel is not None else SingleProcessChannel()
     target_device = torch.device(device) if device is not None else None
     if forward_only:
@@ -124,7 +134,7 @@ async def one_epoch(
         raise ConfigurationError(msg)
     else:
         training = _TrainingPass(
-            model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary
+            model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
         )
         total, count = await training.run(batches)
     if count == 0:
@@ -173,9 +183,10 @@ class _TrainingPass:
         epoch: int | None,
         start: EpochStart,
         boundary: StepBoundary | None,
+        policy: NonFiniteLossPolicy,
     ) -> None:
         self.model, self.channel, self.step_optimizer, self.k = model, channel, step_optimizer, k
-        self.device, self.epoch, self.boundary = device, epoch, boundary
+        self.device, self.epoch, self.boundary, self.policy = device, epoch, boundary, policy
         self.rank, self.single = channel.rank, channel.nranks == 1
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
@@ -185,6 +196,8 @@ class _TrainingPass:
         self.previous_global_count = start.last_step_examples
         self.scales = _Scales()
         self.upcoming: Any = None
+        self.step_first = 0  # where the current step's batches start in self.losses
+        self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
         if self.boundary is None:
@@ -219,16 +232,22 @@ class _TrainingPass:
                 global_count, checkpoint, stop = group_count, 0, 0
                 if self.boundary is not None:
                     checkpoint, stop = self.boundary.requests(self.steps_done)
+                step_losses = self._local_step_losses()
             else:
                 if pending is None:  # no batch left here: take part with zero examples
-                    pending = self.channel.begin_all_reduce_sum([group_count, *self._requests()])
-                global_count, checkpoint, stop = (int(v) for v in pending.wait())
+                    pending = self._begin_step_sum(group_count)
+                counts, wants_checkpoint, wants_stop, *step_losses = pending.wait()
+                global_count, checkpoint, stop = int(counts), int(wants_checkpoint), int(wants_stop)
             if global_count == 0:
                 break
-            self.count += group_count
             self.previous_global_count = global_count
             sync.reduce(expected / global_count)
-            self.step_optimizer()
+            bad = bad_ranks(step_losses)
+            if bad:
+                self._non_finite_step(bad, step_losses)
+            else:
+                self.count += group_count
+                self.step_optimizer()
             sync.after_step()
             self.steps_done += 1
             if (checkpoint or stop) and self.boundary is not None:
@@ -237,7 +256,47 @@ class _TrainingPass:
         sync.end_pass()
         total_loss, global_total = await _epoch_totals(self.channel, [self._loss_sum(), self.count])
         check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)
+        if global_total == 0 and self.skipped_steps > 0:
+            place = "" if self.epoch is None else f" of epoch {self.epoch}"
+            msg = f"all {self.skipped_steps} steps{place} had a non-finite loss and were skipped"
+            raise NonFiniteLossError(msg, epoch=self.epoch, batch=None)
         return total_loss, global_total
+
+    def _begin_step_sum(self, group_count: int) -> PendingSum:
+        """Start the step's sum over ranks: [examples, checkpoint?, stop?] + every rank's loss sum."""
+        per_rank = step_loss(self.losses[self.step_first :])
+        return self.channel.begin_all_reduce_sum([group_count, *self._requests()], per_rank=per_rank)
+
+    def _local_step_losses(self) -> list[float]:
+        """One rank: its step's loss sum, when reading it waits for nothing (or a skip needs it)."""
+        loss = step_loss(self.losses[self.step_first :])
+        if isinstance(loss, float) or self.policy == "skip_step":
+            return [float(loss)]
+        return []  # on a device, "raise" is left to the epoch's end: no wait per step
+
+    def _non_finite_step(self, ranks: tuple[int, ...], step_losses: Sequence[float]) -> None:
+        """A step with a non-finite loss on ``ranks``: raise, or drop it on every rank alike."""
+        step_batches = self.losses[self.step_first :]
+        first = self.first_index + self.step_first  # this step's first batch, on every rank
+        batch = None
+        if self.rank in ranks:
+            batch = first + torch.isfinite(torch.stack(step_batches)).tolist().index(False)
+        error = step_error(
+            epoch=self.epoch,
+            step=self.steps_done,
+            batches=range(first, first + self.k),
+            ranks=ranks,
+            per_rank=step_losses,
+            rank=self.rank,
+            batch=batch,
+            skipped=self.policy == "skip_step",
+        )
+        if self.policy == "raise":
+            raise error
+        # The step's batches leave the epoch's loss (zeros keep the batch positions).
+        self.losses[self.step_first :] = [torch.zeros_like(loss) for loss in step_batches]
+        self.skipped_steps += 1
+        _log.warning("%s", error)
 
     async def _at_boundary(self, sync: GradientSync, *, stop: bool) -> None:
         if self.boundary is None:
@@ -261,6 +320,7 @@ class _TrainingPass:
         # count that every rank makes alike (also a rank with no batch left): reduce()
         # corrects by expected / actual, exactly 1 (no pass) when the guess holds.
         expected = self.previous_global_count or 1
+        self.step_first = len(self.losses)
         group_count = 0
         pending: PendingSum | None = None
         for position in range(self.k):
@@ -277,7 +337,7 @@ class _TrainingPass:
             if not self.single and (position == self.k - 1 or self.upcoming is None):
                 # Every rank starts the count (with its requests) before any gradient
                 # bucket, so the collectives pair up in the same order on all ranks.
-                pending = self.channel.begin_all_reduce_sum([group_count, *self._requests()])
+                pending = self._begin_step_sum(group_count)
                 sync.last_backward()
             if expected == 1:
                 loss_sum.backward()

@@ -53,8 +53,15 @@ class TensorChannel(Protocol):
         """Sum small float vectors over all ranks (float64, blocking)."""
         ...
 
-    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
-        """Start summing ``values`` over all ranks; ``.wait()`` gives the sums."""
+    def begin_all_reduce_sum(
+        self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None
+    ) -> PendingSum:
+        """Start summing ``values`` over all ranks; ``.wait()`` gives the sums.
+
+        With ``per_rank`` (a number, or a 0-dim tensor that may still be computing on the
+        device), the result has ``nranks`` more entries: entry ``len(values) + r`` is rank
+        ``r``'s ``per_rank``, carried by the same collective (each rank fills its own slot).
+        """
         ...
 
 
@@ -106,6 +113,8 @@ class SingleProcessChannel:
         """The sum over one rank is the values themselves."""
         return [float(v) for v in values]
 
-    def begin_all_reduce_sum(self, values: Sequence[float]) -> PendingSum:
-        """Already known: the values themselves."""
-        return KnownSum(values)
+    def begin_all_reduce_sum(
+        self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None
+    ) -> PendingSum:
+        """Already known: the values themselves (and ``per_rank``, this rank's slot)."""
+        return KnownSum(list(values) if per_rank is None else [*values, float(per_rank)])

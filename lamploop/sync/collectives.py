@@ -155,9 +155,23 @@ class Collectives:
             except RuntimeError:  # already aborted or torn down: nothing left to unblock
                 return
 
-    def sum(self, values: Sequence[float]) -> Pending:
-        """Start summing a small float vector over all ranks (float64)."""
-        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.stats_device)
+    def sum(self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None) -> Pending:
+        """Start summing a small float vector over all ranks (float64).
+
+        ``per_rank``: one more value from each rank, in its own slot after ``values``
+        (zeros elsewhere), so that every rank learns every rank's value from the same sum.
+        A tensor is copied on its device, without waiting for it to be computed.
+        """
+        head = [float(v) for v in values]
+        if per_rank is None or isinstance(per_rank, (int, float)):
+            slots = [0.0] * (self.nranks if per_rank is not None else 0)
+            if per_rank is not None:
+                slots[self.rank] = float(per_rank)
+            tensor = torch.tensor(head + slots, dtype=torch.float64, device=self.stats_device)
+        else:
+            tensor = torch.zeros(len(head) + self.nranks, dtype=torch.float64, device=self.stats_device)
+            tensor[: len(head)] = torch.tensor(head, dtype=torch.float64)
+            tensor[len(head) + self.rank] = per_rank.detach().to(self.stats_device, torch.float64)
         return Pending(self, self.all_reduce([tensor]), tensor)
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> None:

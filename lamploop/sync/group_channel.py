@@ -78,8 +78,10 @@ class ProcessGroupChannel:
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         return self.collectives.sum(values).wait()
 
-    def begin_all_reduce_sum(self, values: Sequence[float]) -> Pending:
-        return self.collectives.sum(values)
+    def begin_all_reduce_sum(
+        self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None
+    ) -> Pending:
+        return self.collectives.sum(values, per_rank=per_rank)
 
     def close(self, *, abandon: bool = False) -> None:
         """Release the gradient syncs; with ``abandon`` (the run failed) wait for nothing.

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import attrs
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from lamploop.errors import ConfigurationError
 
@@ -138,22 +138,105 @@ def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchSt
     return factory
 
 
-def dataloader_batches(loader: DataLoader[Any], *, seed: int = 0) -> BatchStreamFactory:
-    """Adapt a ``torch.utils.data.DataLoader`` (the same loader on every rank call).
+def dataloader_batches(
+    loader: DataLoader[Any] | Callable[[BatchContext], DataLoader[Any]], *, seed: int = 0
+) -> BatchStreamFactory:
+    """Adapt a ``torch.utils.data.DataLoader``, or a factory ``BatchContext -> DataLoader``.
 
-    Before each epoch the sampler is made deterministic: a ``RandomSampler``
-    gets a generator seeded from ``(seed, epoch, rank)``, and a sampler with
-    ``set_epoch`` (such as ``DistributedSampler``) gets the epoch.  Sharding
-    across ranks is the sampler's job (use ``DistributedSampler``).
+    Every epoch's order is a pure function of ``(seed, epoch)``, and with several ranks the
+    ranks share it out, so that they together see every example exactly once per epoch:
+
+    - a sampler with a ``generator`` attribute (``RandomSampler``, ``SubsetRandomSampler``,
+      ``WeightedRandomSampler``) gets one seeded from ``(seed, epoch)``; a sampler with
+      ``set_epoch`` gets the epoch;
+    - with ``nranks > 1``, rank ``r`` takes every ``nranks``-th index of the sampler's order
+      starting at ``r`` (a custom ``batch_sampler``: every ``nranks``-th batch), in a loader
+      with the same batch size, collate function, workers and pinning;
+    - a sampler that shards by itself (it has ``num_replicas`` and ``rank``, as
+      ``DistributedSampler``) is used as it is, once its ``num_replicas`` and ``rank`` are
+      checked against the context's (make it in a factory:
+      ``lambda context: DataLoader(data, sampler=DistributedSampler(data,
+      num_replicas=context.nranks, rank=context.rank))``);
+    - a loader over an ``IterableDataset`` is used as it is; with several ranks it must come
+      from a factory that gives each rank its own part.
+
+    A sampler whose order depends on the global RNG (rather than a ``generator``) would
+    differ between ranks; the built-in ones do not.
+
+    Raises:
+        ConfigurationError: ``loader`` is neither, a factory returned something else, a
+            sharding sampler disagrees with the context, or one loader over an
+            ``IterableDataset`` is asked for several ranks.
     """
+    if not isinstance(loader, DataLoader) and not callable(loader):
+        msg = f"dataloader_batches: expected a DataLoader or a factory of them, got {type(loader).__name__}"
+        raise ConfigurationError(msg)
+    made_per_rank = not isinstance(loader, DataLoader)
 
     def make(context: BatchContext) -> Iterable[Batch]:
-        sampler = loader.sampler
-        if isinstance(sampler, RandomSampler):
-            sampler.generator = torch.Generator().manual_seed(epoch_seed(seed, context.epoch, context.rank))
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(context.epoch)
-        return loader
+        epoch_loader = loader(context) if callable(loader) and made_per_rank else loader
+        if not isinstance(epoch_loader, DataLoader):
+            msg = (
+                f"dataloader_batches: the factory returned {type(epoch_loader).__name__} for "
+                f"{context}, not a DataLoader"
+            )
+            raise ConfigurationError(msg)
+        return _rank_loader(epoch_loader, context, seed, made_per_rank=made_per_rank)
 
     return iterable_batches(make)
+
+
+def _rank_loader(
+    loader: DataLoader[Any], context: BatchContext, seed: int, *, made_per_rank: bool
+) -> DataLoader[Any]:
+    """``loader`` made deterministic for ``context.epoch`` and cut down to ``context.rank``'s share."""
+    if isinstance(loader.dataset, IterableDataset):
+        if context.nranks > 1 and not made_per_rank:
+            msg = (
+                "dataloader_batches: one DataLoader over an IterableDataset cannot be shared out "
+                f"to {context.nranks} ranks; pass a factory (context -> DataLoader) that gives "
+                "rank context.rank its own part"
+            )
+            raise ConfigurationError(msg)
+        return loader
+    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
+    sampler: Any = loader.batch_sampler if custom_batches else loader.sampler
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(context.epoch)
+    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
+        _check_shard(sampler, context)
+        return loader
+    inner: Any = getattr(sampler, "sampler", sampler)  # a BatchSampler's sampler
+    if hasattr(inner, "generator"):
+        inner.generator = torch.Generator().manual_seed(epoch_seed(seed, context.epoch, 0))
+    if context.nranks == 1:
+        return loader
+    share = slice(context.rank, None, context.nranks)
+    common: dict[str, Any] = {
+        "collate_fn": loader.collate_fn,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+    }
+    if loader.num_workers > 0:
+        common["prefetch_factor"] = loader.prefetch_factor
+    if custom_batches:  # share out whole batches
+        return DataLoader(loader.dataset, batch_sampler=list(sampler)[share], **common)
+    indices = list(loader.sampler)[share]
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=indices, drop_last=loader.drop_last, **common
+    )
+
+
+def _check_shard(sampler: Any, context: BatchContext) -> None:
+    if (sampler.num_replicas, sampler.rank) != (context.nranks, context.rank):
+        msg = (
+            f"dataloader_batches: the loader's {type(sampler).__name__} has num_replicas="
+            f"{sampler.num_replicas}, rank={sampler.rank}, but it is used on rank {context.rank} "
+            f"of {context.nranks}; make it in a factory with num_replicas=context.nranks, "
+            "rank=context.rank (or pass a plain loader: lamploop shares it out)"
+        )
+        raise ConfigurationError(msg)

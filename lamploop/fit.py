@@ -186,6 +186,7 @@ async def fit_async(
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
+    max_gradient_norm: float | None = None,
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -223,6 +224,8 @@ async def fit_async(
         on_non_finite_loss: ``"raise"`` (default) stops at the step whose loss is NaN or
             infinite on any rank, naming the epoch, step and rank; ``"skip_step"`` skips that
             step on every rank and goes on (see :mod:`lamploop.loop.non_finite`).
+        max_gradient_norm: clip each step's gradient (summed over the ranks) to this global
+            L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (``None``: no clipping).
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "TrainingSettings",
     "check_int",
+    "check_positive",
     "check_seconds",
     "check_smoothing",
 ]
@@ -60,6 +61,14 @@ def check_seconds(name: str, value: object) -> float:
     """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         msg = f"{name} must be a positive number of seconds, got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"{name} must be a positive finite number, got {value!r}"
         raise ConfigurationError(msg)
     return float(value)
 
@@ -129,6 +138,11 @@ def _non_finite_policy(_: object, __: attrs.Attribute[str], value: str) -> None:
     check_policy(value)
 
 
+def _optional_positive(_: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None:
+        check_positive(attribute.name, value)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -158,6 +172,7 @@ class TrainingSettings:
             arrive fails (see :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`).
         checkpoint_every_n_steps, checkpoint_every_seconds: checkpoints inside epochs.
         on_non_finite_loss: ``"raise"`` or ``"skip_step"`` (see :mod:`lamploop.loop.non_finite`).
+        max_gradient_norm: clip each step's summed gradient to this global L2 norm (``None``: no clipping).
 
     Raises:
         ConfigurationError: a value is out of range; the message names the argument.
@@ -175,6 +190,7 @@ class TrainingSettings:
     checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
     on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
+    max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
 
     EVERY_RANK: ClassVar[tuple[str, ...]] = (
         "accumulate_gradient_over_n_batches",
@@ -182,6 +198,7 @@ class TrainingSettings:
         "bucket_cap_mb",
         "collective_timeout",
         "on_non_finite_loss",
+        "max_gradient_norm",
     )
     """The settings every rank must hold alike (followers take only these)."""
 

@@ -229,6 +229,7 @@ async def drive_distributed_training(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
+    max_gradient_norm: float | None = None,
     checkpoint_position: CheckpointPosition | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
@@ -266,6 +267,8 @@ async def drive_distributed_training(
         on_non_finite_loss: a training step with a NaN or infinite loss on any rank raises
             :class:`~lamploop.errors.NonFiniteLossError` (``"raise"``) or is skipped by every
             rank (``"skip_step"``); must equal the followers'.
+        max_gradient_norm: clip each step's gradient, summed over the ranks, to this global
+            L2 norm (``None``: no clipping); must equal the followers'.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is

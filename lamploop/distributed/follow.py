@@ -41,6 +41,7 @@ async def follow_distributed_training(
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     stop: StopRequest | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
+    max_gradient_norm: float | None = None,
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -55,7 +56,7 @@ async def follow_distributed_training(
             ``BatchContext(epoch, rank, nranks)``.
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
-        strategy, on_non_finite_loss: must equal the root's (see
+        strategy, on_non_finite_loss, max_gradient_norm: must equal the root's (see
             :func:`drive_distributed_training`).
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.

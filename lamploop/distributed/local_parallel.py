@@ -75,6 +75,7 @@ async def local_data_parallel_training_loop(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
+    max_gradient_norm: float | None = None,
 ) -> LoopState:
     """Data-parallel training in one process: one replica per device, one thread each.
 

@@ -106,6 +106,7 @@ class Replica:
             step_optimizer=step,
             accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
             on_non_finite_loss=self.settings.on_non_finite_loss,
+            max_gradient_norm=self.settings.max_gradient_norm,
             start=start,
             boundary=self.boundary,
         )

@@ -31,6 +31,7 @@ from lamploop.loop.batch_checks import check_finite, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
 from lamploop.model import SupervisedModel
+from lamploop.settings import check_positive
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 from lamploop.sync.strategy import GradientSync
 
@@ -92,6 +93,7 @@ async def one_epoch(
     start: EpochStart | None = None,
     boundary: StepBoundary | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
+    max_gradient_norm: float | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -111,6 +113,8 @@ async def one_epoch(
         on_non_finite_loss: what a training step with a NaN or infinite loss on any rank
             does: ``"raise"`` (before the optimizer step) or ``"skip_step"`` (every rank
             drops that step; see :mod:`lamploop.loop.non_finite`).  Validation always raises.
+        max_gradient_norm: clip the step's gradient to this global L2 norm, after the
+            ranks' gradients are summed (so every rank clips the same gradient alike).
 
     Raises:
         ConfigurationError: bad arguments.
@@ -125,6 +129,8 @@ async def one_epoch(
         msg = f"one_epoch: accumulate_gradient_over_n_batches must be an int >= 1, got {k!r}"
         raise ConfigurationError(msg)
     policy = check_policy(on_non_finite_loss)
+    if max_gradient_norm is not None:
+        check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
     target_device = torch.device(device) if device is not None else None
     if forward_only:
@@ -136,6 +142,7 @@ async def one_epoch(
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
         )
+        training.max_gradient_norm = max_gradient_norm
         total, count = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
@@ -197,6 +204,7 @@ class _TrainingPass:
         self.scales = _Scales()
         self.upcoming: Any = None
         self.step_first = 0  # where the current step's batches start in self.losses
+        self.max_gradient_norm: float | None = None
         self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
@@ -247,6 +255,8 @@ class _TrainingPass:
                 self._non_finite_step(bad, step_losses)
             else:
                 self.count += group_count
+                if self.max_gradient_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.module.parameters(), self.max_gradient_norm)
                 self.step_optimizer()
             sync.after_step()
             self.steps_done += 1

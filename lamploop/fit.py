@@ -23,10 +23,7 @@ import functools
 import logging
 import os
 import secrets
-import signal
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Container, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypedDict, TypeVar
 
@@ -43,6 +40,7 @@ from lamploop.distributed.drive import OptimizerFactory, drive_distributed_train
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.distributed.launch import (
     LaunchEnv,
+    default_launch_command,
     launch_env,
     open_follower_control,
     open_root_control,
@@ -57,6 +55,7 @@ from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFail
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.stopping import blocking, stop_on_signals, stop_request
 
 __all__ = ["fit", "fit_async"]
 
@@ -96,13 +95,28 @@ def _place(world_size: int | None, device: torch.device | str) -> _Place:
         raise ConfigurationError(msg)
     nranks = env.world_size if env is not None else (world_size or 1)
     local_rank = env.local_rank if env is not None else 0
-    torch_device = torch.device(device)
+    torch_device = _device(device)
     if torch_device.type == "cuda" and torch_device.index is None and nranks > 1:
         torch_device = torch.device("cuda", local_rank)
     if nranks > 1 and torch_device.type == "cpu":
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // min(nranks, cores)))
     return _Place(env, nranks, env.rank if env is not None else 0, torch_device)
+
+
+def _device(device: torch.device | str) -> torch.device:
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"fit: device {device!r} is not a device torch knows ({exc})"
+        raise ConfigurationError(msg) from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        msg = (
+            f"fit: device={str(device)!r}, but CUDA is not available here (torch "
+            f"{torch.__version__}, {torch.cuda.device_count()} CUDA devices); pass device='cpu'"
+        )
+        raise ConfigurationError(msg)
+    return torch_device
 
 
 def _resume(
@@ -126,36 +140,6 @@ def _resume(
         "init_position": checkpoint.position,
         "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
     }
-
-
-@asynccontextmanager
-async def _stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]:
-    """SIGTERM or SIGINT: stop at the next step boundary (after a checkpoint); a second one: at once.
-
-    Yields the scope that a second signal cancels.  Signals are only handled on the main
-    thread (elsewhere they keep their default meaning).
-    """
-    with anyio.CancelScope() as scope:
-        if threading.current_thread() is not threading.main_thread():
-            yield scope
-            return
-        async with anyio.create_task_group() as watchers:
-
-            async def watch() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        name = signal.Signals(signum).name
-                        if stop.is_set():
-                            scope.cancel()
-                            return
-                        stop.request(name)
-                        logger.info("%s: stopping after the current step (again to stop at once)", name)
-
-            watchers.start_soon(watch)
-            try:
-                yield scope
-            finally:
-                watchers.cancel_scope.cancel()
 
 
 async def fit_async(
@@ -242,10 +226,12 @@ async def fit_async(
     check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
     settings = TrainingSettings.from_arguments(locals())
     place = _place(world_size, device)
+    if place.env is None and place.nranks > 1 and launch_command is None:
+        launch_command = default_launch_command(place.nranks)
     spec = model_spec(model.module)
     heartbeat = _Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
     rank_settings = settings.for_every_rank()
-    stop = StopRequest()
+    stop = stop_request()
     if place.env is not None and place.rank > 0:
         follow = functools.partial(
             follow_distributed_training,
@@ -260,7 +246,7 @@ async def fit_async(
             **rank_settings,
         )
         async with (
-            _stop_on_signals(stop),
+            stop_on_signals(stop),
             open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
         ):
             await follow(control=f)
@@ -298,7 +284,7 @@ async def fit_async(
 async def _reported(run: Awaitable[LoopState], stop: StopRequest, listeners: Sequence[Reporter]) -> LoopState:
     """Await the root's run under the signal handlers; report how it ended; raise its first error."""
     try:
-        async with _stop_on_signals(stop) as at_once:
+        async with stop_on_signals(stop) as at_once:
             state = await run
         if at_once.cancelled_caught:
             msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
@@ -355,18 +341,11 @@ async def _drive_with_followers(
     return state
 
 
-def _blocking(run: Callable[P, Awaitable[R]]) -> Callable[P, R]:
-    """The blocking form of an async function, with its signature (for type checkers and IDEs)."""
-
-    @functools.wraps(run)
-    def blocking(*args: P.args, **kwargs: P.kwargs) -> R:
-        return anyio.run(functools.partial(run, *args, **kwargs))
-
-    return blocking
-
-
-fit = _blocking(fit_async)
+fit = blocking(fit_async)
 fit.__name__ = fit.__qualname__ = "fit"
 fit.__doc__ = (fit_async.__doc__ or "").replace(
-    "Train ``model``,", "Train ``model`` (blocking: runs :func:`fit_async` in a new event loop),", 1
+    "Train ``model``,",
+    "Train ``model`` (blocking: runs :func:`fit_async` in a new event loop, on a thread of its own "
+    "when called inside one, as in a notebook),",
+    1,
 )

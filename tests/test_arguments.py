@@ -75,6 +75,27 @@ def test_a_common_mistake_is_named_before_training_starts(changes: dict[str, Any
     assert expected in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        pytest.param(
+            {"world_size": 0}, "fit: world_size must be None or an int >= 1, got 0", id="world-size-0"
+        ),
+        pytest.param({"device": "gpu"}, "fit: device 'gpu' is not a device torch knows", id="unknown-device"),
+    ],
+)
+def test_a_bad_place_is_named(changes: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        _fit(**changes)
+    assert expected in str(caught.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: device='cuda' is right")
+def test_cuda_without_cuda_is_named() -> None:
+    with pytest.raises(ConfigurationError, match="fit: device='cuda', but CUDA is not available here"):
+        _fit(device="cuda")
+
+
 def test_the_right_arguments_train() -> None:
     _fit()  # the baseline of the mistakes above: no error
     _fit(validation_batches=None)  # no validation is not a mistake

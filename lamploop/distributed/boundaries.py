@@ -34,15 +34,24 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._at_once = threading.Event()
         self.reason = ""
 
     def request(self, reason: str) -> None:
+        """Stop at the next step boundary."""
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def request_at_once(self) -> None:
+        """Stop now, without a checkpoint (a second request)."""
+        self._at_once.set()
+
+    def at_once(self) -> bool:
+        return self._at_once.is_set()
 
 
 def rng_to_json(rng: RngStates) -> dict[str, Any]:

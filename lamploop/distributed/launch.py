@@ -27,6 +27,7 @@ import secrets
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import attrs
@@ -251,6 +252,30 @@ async def open_follower_control(
         heartbeat_timeout=heartbeat_timeout,
     ) as follower:
         yield follower
+
+
+def default_launch_command(world_size: int) -> list[str]:
+    """This process's command line, which starts ranks ``1..world_size-1`` when run again.
+
+    Raises:
+        ConfigurationError: this process cannot be run again to join the run: a notebook
+            kernel, ``python -c`` or the interactive interpreter; the message says what to do.
+    """
+    script = sys.argv[0] if sys.argv else ""
+    if script in ("", "-c") or Path(script).name in _KERNELS:
+        what = "a notebook kernel" if script not in ("", "-c") else "an interactive session"
+        msg = (
+            f"fit(world_size={world_size}) starts ranks 1..{world_size - 1} by running this process's "
+            f"command line again, but this is {what} ({' '.join(sys.orig_argv)[:80]!r}), which cannot "
+            "be run again; put the code that calls fit in a script, then either run that script "
+            "(python train.py) or pass launch_command=[sys.executable, 'train.py'] here (the script "
+            "calls fit with the same arguments; only rank 0 returns the state)"
+        )
+        raise ConfigurationError(msg)
+    return list(sys.orig_argv)
+
+
+_KERNELS = ("ipykernel_launcher.py", "ipykernel_launcher", "kernel_launcher.py")
 
 
 def spawn_followers(

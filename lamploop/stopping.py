@@ -1,0 +1,137 @@
+"""Who may stop a run, and how ``fit`` blocks: signals, Ctrl-C in a notebook, a running event loop.
+
+A run stops gracefully (after the step in progress, with a checkpoint) on a first request
+and at once on a second.  Requests come from:
+
+- SIGTERM and SIGINT, when ``fit`` runs on the main thread (a script, the CLI);
+- Ctrl-C in a notebook: there the kernel's event loop already runs on the main thread, so
+  :func:`blocking` runs the training on a thread of its own with its own event loop, and
+  turns each ``KeyboardInterrupt`` that reaches the waiting main thread into a request.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import ParamSpec, TypeVar
+
+import anyio
+
+from lamploop.distributed.boundaries import StopRequest
+
+__all__ = ["blocking", "event_loop_running", "stop_request", "stop_on_signals"]
+
+logger = logging.getLogger("lamploop")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_POLL_S = 0.1
+"""How often a run off the main thread looks for a request to stop at once."""
+
+_outer_stop: contextvars.ContextVar[StopRequest | None] = contextvars.ContextVar(
+    "lamploop_stop", default=None
+)
+
+
+def stop_request() -> StopRequest:
+    """The run's stop request: the one :func:`blocking` made for it, else a new one."""
+    return _outer_stop.get() or StopRequest()
+
+
+def event_loop_running() -> bool:
+    """Whether this thread is already inside an asyncio event loop (a notebook cell, an async app)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@asynccontextmanager
+async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]:
+    """Turn stop requests into stops: the first at the next step boundary, a second at once.
+
+    Yields the scope that a second request cancels.  On the main thread SIGTERM and SIGINT
+    are the requests; elsewhere (see :func:`blocking`) the thread that waits makes them.
+    """
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as watchers:
+            on_main = threading.current_thread() is threading.main_thread()
+            watchers.start_soon(_watch_signals if on_main else _watch_at_once, stop, scope)
+            try:
+                yield scope
+            finally:
+                watchers.cancel_scope.cancel()
+
+
+async def _watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if stop.is_set():
+                scope.cancel()
+                return
+            stop.request(name)
+            logger.info("%s: stopping after the current step (again to stop at once)", name)
+
+
+async def _watch_at_once(stop: StopRequest, scope: anyio.CancelScope) -> None:
+    # The request comes from another thread, which cannot set an anyio.Event here: poll.
+    while not stop.at_once():  # noqa: ASYNC110
+        await anyio.sleep(_POLL_S)
+    scope.cancel()
+
+
+def blocking(run: Callable[P, Awaitable[R]]) -> Callable[P, R]:
+    """The blocking form of an async function, with its signature (for type checkers and IDEs).
+
+    Outside an event loop it is ``anyio.run``.  Inside one (Jupyter runs cells inside its
+    event loop, where ``anyio.run`` would fail with "Already running asyncio in this
+    thread") it runs ``run`` on a thread of its own and waits; Ctrl-C while it waits asks
+    the run to stop after the current step, a second Ctrl-C to stop at once.
+    """
+
+    @functools.wraps(run)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        job = functools.partial(run, *args, **kwargs)
+        if not event_loop_running():
+            return anyio.run(job)
+        return _beside_the_loop(job)
+
+    return call
+
+
+def _beside_the_loop(job: Callable[[], Awaitable[R]]) -> R:
+    stop = StopRequest()
+
+    def in_thread() -> R:
+        _outer_stop.set(stop)  # this thread's context: anyio.run's tasks inherit it
+        return anyio.run(job)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lamploop-fit")
+    try:
+        result = pool.submit(in_thread)
+        while True:
+            try:
+                return result.result()
+            except KeyboardInterrupt:
+                if stop.is_set():
+                    stop.request_at_once()
+                    logger.info("interrupted again: stopping at once")
+                else:
+                    stop.request("SIGINT")
+                    logger.info("interrupted: stopping after the current step (again to stop at once)")
+    finally:
+        # Only reached once the run has ended (result() returned or raised its error): no
+        # wait here, where a late Ctrl-C would land outside the handler above.
+        pool.shutdown(wait=False)

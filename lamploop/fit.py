@@ -295,6 +295,8 @@ async def _reported(run: Awaitable[LoopState], stop: StopRequest, listeners: Seq
             report_all(listeners, RunFailed(f"{type(error).__name__}: {error}"))
         if error is exc:
             raise
+        if error.__cause__ is not None:
+            raise error from error.__cause__  # its own cause says more than the task groups' wrapping
         raise error from exc  # the task groups' wrapping, kept as the cause
     report_all(listeners, RunFinished(state))
     return state

@@ -14,7 +14,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossFunction", "SupervisedModel", "cross_entropy_loss", "mse_loss", "summed"]
+from lamploop.errors import ConfigurationError
+
+__all__ = ["LossFunction", "SupervisedModel", "cross_entropy_loss", "mse_loss", "summed", "unwrapped"]
 
 
 class LossFunction(Protocol):
@@ -64,5 +66,35 @@ class SupervisedModel:
     loss: LossFunction = cross_entropy_loss
 
     def loss_sum_and_count(self, features: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Run the module and the loss on one batch."""
-        return self.loss(self.module(features), target)
+        """Run the module and the loss on one batch.
+
+        Raises:
+            ConfigurationError: the loss did not return ``(loss sum, example count)``.
+        """
+        result = self.loss(self.module(features), target)
+        if type(result) is not tuple or len(result) != 2:
+            raise _not_a_sum_and_count(self.loss, result)
+        return result
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper holds, else ``module`` itself.
+
+    Its ``state_dict()`` has the plain keys (``fc.weight``, not ``_orig_mod.fc.weight``), so
+    checkpoints of a compiled model load into the uncompiled one and back; the parameters are
+    the same objects.
+    """
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else module
+
+
+def _not_a_sum_and_count(loss: object, result: object) -> ConfigurationError:
+    got = type(result).__name__
+    if isinstance(result, torch.Tensor):
+        got = f"a tensor of shape {tuple(result.shape)}"
+    name = getattr(loss, "__name__", type(loss).__name__)
+    return ConfigurationError(
+        f"SupervisedModel: the loss {name} returned {got}, not (loss sum, example count); "
+        "sum over the examples instead of averaging, e.g. lamploop.summed(F.mse_loss), which "
+        "passes reduction='sum' and counts the target's rows"
+    )

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 import attrs
 import torch
 
+from lamploop.model import unwrapped
+
 __all__ = ["ModelSpec", "TensorSpec", "describe_mismatch", "model_spec"]
 
 
@@ -45,7 +47,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def model_spec(tensors: torch.nn.Module | Mapping[str, torch.Tensor]) -> ModelSpec:
     """The spec of a module's ``state_dict()`` or of a name -> tensor mapping."""
-    state = tensors.state_dict() if isinstance(tensors, torch.nn.Module) else tensors
+    state = unwrapped(tensors).state_dict() if isinstance(tensors, torch.nn.Module) else tensors
     return ModelSpec(
         tuple(
             TensorSpec(name, tuple(int(d) for d in t.shape), _dtype_name(t.dtype))

@@ -63,3 +63,23 @@ def restore_optimizer_state(
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         msg = f"{where}{type(optimizer).__name__}.load_state_dict refused the saved state: {e}"
         raise CheckpointError(msg) from e
+    _check_same_kind(optimizer, groups, where)
+
+
+def _check_same_kind(optimizer: torch.optim.Optimizer, saved_groups: list[Any], where: str) -> None:
+    """The loaded groups have every setting this optimizer steps with (another class's would not).
+
+    ``load_state_dict`` takes any groups and fills in only the settings that newer torch
+    versions added; an Adam state loaded into SGD fails at the first step (``KeyError:
+    'momentum'``), so say it here.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        missing = sorted(set(optimizer.defaults) - set(group))
+        if missing:
+            theirs = sorted(set(saved_groups[i]) - set(optimizer.defaults) - {"params", "param_names"})
+            msg = (
+                f"{where}the saved optimizer state is not a {type(optimizer).__name__}'s: its parameter "
+                f"group {i} lacks {missing}" + (f" and has {theirs}" if theirs else "") + "; resume with "
+                "the optimizer the checkpoint was written with (or start afresh: resume=False)"
+            )
+            raise CheckpointError(msg)

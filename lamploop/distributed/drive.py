@@ -32,7 +32,7 @@ import anyio.to_thread
 import torch
 
 from lamploop.batches import BatchStreamFactory
-from lamploop.checkpoint import RngStates
+from lamploop.checkpoint import RngStates, restore_optimizer_state
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition, StopRequest
 from lamploop.distributed.process_group import create_store
@@ -41,7 +41,7 @@ from lamploop.errors import ConfigurationError, DistributedError, TrainingInterr
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
-from lamploop.model import SupervisedModel
+from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -115,7 +115,7 @@ class _RootEpochs:
         optimizer = self.replica.optimizer
         return LoopStateWithModelAndOptimizerData(
             loop_state=state,
-            model=self.replica.model.module.state_dict(),
+            model=unwrapped(self.replica.model.module).state_dict(),
             optimizer=optimizer.state_dict() if optimizer is not None else {},
             best_model=self.best,
         )
@@ -160,7 +160,9 @@ class _RootEpochs:
         return await self.replica.validate(self.next_epoch)
 
     async def save_best(self) -> None:
-        self.best = {k: v.detach().clone() for k, v in self.replica.model.module.state_dict().items()}
+        self.best = {
+            k: v.detach().clone() for k, v in unwrapped(self.replica.model.module).state_dict().items()
+        }
 
     async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
         self.state, self.schedule_state, self.next_epoch = state, schedule_state, state.epoch
@@ -185,11 +187,11 @@ def _set_up_root(
     """Move the module, load the state to resume from, make the optimizer; its base learning rates."""
     module.to(device)
     if init_state is not None:
-        module.load_state_dict(init_state.model)
+        unwrapped(module).load_state_dict(init_state.model)
     optimizer = optimizer_factory(module.parameters())
     base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
     if init_state is not None and init_state.optimizer:
-        optimizer.load_state_dict(dict(init_state.optimizer))
+        restore_optimizer_state(optimizer, init_state)
     return optimizer, base_lrs
 
 
@@ -353,5 +355,5 @@ async def drive_distributed_training(
             raise
         await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
     if root.best:
-        module.load_state_dict(root.best)
+        unwrapped(module).load_state_dict(root.best)
     return state

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from lamploop.batches import Batch
-from lamploop.errors import BatchError, NonFiniteLossError
+from lamploop.errors import BatchError, ConfigurationError, LamploopError, NonFiniteLossError
+from lamploop.model import SupervisedModel
 
-__all__ = ["check_finite", "prepare", "where"]
+__all__ = ["check_finite", "check_stream", "loss_of", "prepare", "where"]
 
 
 def where(epoch: int | None, batch: int, rank: int) -> str:
@@ -58,6 +59,30 @@ def prepare(item: Any, device: torch.device | None, epoch: int | None, index: in
         features = _to_device(features, device)
         target = target.to(device, non_blocking=True)
     return features, target
+
+
+def loss_of(
+    model: SupervisedModel, batch: Batch, epoch: int | None, index: int, rank: int
+) -> tuple[torch.Tensor, int]:
+    """The model's loss sum and example count on one batch; an error inside names the batch."""
+    try:
+        return model.loss_sum_and_count(*batch)
+    except (LamploopError, torch.OutOfMemoryError):
+        raise  # ours say where already; running out of memory is no fault of the batch
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        # e.g. a target of the wrong dtype for the loss: torch's message, and where it happened
+        msg = f"{where(epoch, index, rank)}: the model or its loss failed: {type(exc).__name__}: {exc}"
+        raise BatchError(msg) from exc
+
+
+def check_stream(batches: object) -> None:
+    """``batches`` is an async iterable, as a batch factory must return."""
+    if not hasattr(batches, "__aiter__"):
+        hint = ""
+        if hasattr(batches, "__iter__"):
+            hint = "; make the factory with lamploop.iterable_batches(factory_of_plain_iterables)"
+        msg = f"the batch stream is a {type(batches).__name__}, not an async iterable of batches{hint}"
+        raise ConfigurationError(msg)
 
 
 def _to_device(features: Any, device: torch.device) -> Any:

@@ -84,6 +84,16 @@ def _validate(
         raise ConfigurationError(msg)
 
 
+def _check_factor(factor: object, schedule: object, epoch: int) -> None:
+    """A factor is a finite number: a NaN would reach the optimizer and show as a NaN loss."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+        msg = (
+            f"epochs: the learning-rate schedule {type(schedule).__name__} gave the factor {factor!r} "
+            f"for epoch {epoch}; a factor must be a finite number (<= 0 ends training)"
+        )
+        raise ConfigurationError(msg)
+
+
 def _finite(value: float, what: str, epoch: int) -> float:
     value = float(value)
     if not math.isfinite(value):
@@ -156,6 +166,7 @@ async def epochs(
         schedule_state, factor = schedule.learning_rate_factor(
             schedule_state, epoch, state.last_validation_loss
         )
+        _check_factor(factor, schedule, epoch)
         if epoch >= max_epochs or factor <= 0:
             return state
         training_loss = _finite(await train_epoch(factor), "training loss", epoch)

@@ -27,7 +27,7 @@ import torch
 
 from lamploop.batches import BatchStream
 from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
-from lamploop.loop.batch_checks import check_finite, prepare
+from lamploop.loop.batch_checks import check_finite, check_stream, loss_of, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
 from lamploop.model import SupervisedModel
@@ -128,6 +128,7 @@ async def one_epoch(
     if not isinstance(k, int) or k < 1:
         msg = f"one_epoch: accumulate_gradient_over_n_batches must be an int >= 1, got {k!r}"
         raise ConfigurationError(msg)
+    check_stream(batches)
     policy = check_policy(on_non_finite_loss)
     if max_gradient_norm is not None:
         check_positive("max_gradient_norm", max_gradient_norm)
@@ -166,8 +167,7 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            features, target = prepare(item, device, epoch, index, rank)
-            loss_sum, n = model.loss_sum_and_count(features, target)
+            loss_sum, n = loss_of(model, prepare(item, device, epoch, index, rank), epoch, index, rank)
             losses.append(loss_sum.detach())
             count += n
             await yield_now()
@@ -337,9 +337,9 @@ class _TrainingPass:
             if self.upcoming is None:
                 break
             index = self.first_index + len(self.losses)
-            features, target = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
+            batch = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
             self.upcoming = await anext(stream, None)
-            loss_sum, n = self.model.loss_sum_and_count(features, target)
+            loss_sum, n = loss_of(self.model, batch, self.epoch, index, self.rank)
             if position == 0 and self.single:
                 expected = self.k * n  # one rank knows its step's count up front
             self.losses.append(loss_sum.detach())

@@ -1,0 +1,112 @@
+"""Common mistakes that used to end in a raw error from deep inside: each gets a lamploop error
+that says what was wrong and where (type and message checked)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lamploop
+from lamploop.batches import BatchContext
+from lamploop.checkpoint import load_checkpoint
+from lamploop.errors import BatchError, CheckpointError, ConfigurationError
+
+torch.manual_seed(0)
+X, Y = torch.randn(24, 4), torch.randint(0, 3, (24,))
+
+
+def _module() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _fit(**changes: Any) -> lamploop.LoopState | None:
+    kwargs: dict[str, Any] = {
+        "model": lamploop.SupervisedModel(_module()),
+        "optimizer_factory": lambda params: torch.optim.SGD(params, lr=0.1),
+        "train_batches": lamploop.tensor_batches(X, Y, batch_size=8),
+        "max_epochs": 2,
+        "reporters": [],
+    }
+    kwargs.update(changes)
+    return lamploop.fit(**kwargs)
+
+
+def test_a_loss_that_returns_a_mean() -> None:
+    model = lamploop.SupervisedModel(_module(), loss=F.cross_entropy)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError) as info:
+        _fit(model=model)
+    assert str(info.value).startswith(
+        "SupervisedModel: the loss cross_entropy returned a tensor of shape (), not (loss sum, example count)"
+    )
+    assert "lamploop.summed(F.mse_loss)" in str(info.value)
+
+
+def test_a_factory_of_plain_iterables() -> None:
+    def plain(context: BatchContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield X[:8], Y[:8]
+
+    with pytest.raises(ConfigurationError) as info:
+        _fit(train_batches=plain)
+    assert "the batch stream is a generator, not an async iterable of batches" in str(info.value)
+    assert "lamploop.iterable_batches(" in str(info.value)
+    state = _fit(train_batches=lamploop.iterable_batches(plain))  # what the message says to do
+    assert state is not None
+
+
+def test_a_target_of_the_wrong_dtype_names_epoch_and_batch() -> None:
+    with pytest.raises(BatchError) as info:
+        _fit(train_batches=lamploop.tensor_batches(X, Y.float(), batch_size=8))
+    text = str(info.value)
+    assert text.startswith("epoch 0, batch 0: the model or its loss failed: RuntimeError: ")
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), None])
+def test_a_schedule_giving_a_non_finite_factor(factor: Any) -> None:
+    class Broken:
+        def init(self) -> None:
+            return None
+
+        def learning_rate_factor(self, state: None, epoch: int, last_validation_loss: float | None) -> Any:
+            return None, (1.0 if epoch == 0 else factor)
+
+    with pytest.raises(ConfigurationError) as info:
+        _fit(learning_rate_schedule=Broken())
+    assert f"the learning-rate schedule Broken gave the factor {factor!r} for epoch 1" in str(info.value)
+
+
+def test_resuming_with_another_optimizer_class(tmp_path: Path) -> None:
+    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+    _fit(optimizer_factory=adam, max_epochs=1, checkpoint_dir=tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        _fit(
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            checkpoint_dir=tmp_path,
+        )
+    text = str(info.value)
+    assert (
+        "the saved optimizer state is not a SGD's: its parameter group 0 lacks ['dampening', 'momentum']"
+        in text
+    )
+    assert "'betas'" in text
+    assert "resume=False" in text
+    assert _fit(optimizer_factory=adam, checkpoint_dir=tmp_path) is not None  # the right one resumes
+
+
+def test_a_compiled_module_checkpoints_with_plain_keys(tmp_path: Path) -> None:
+    compiled = torch.compile(_module(), backend="eager")
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())  # what torch.compile does
+    _fit(model=lamploop.SupervisedModel(compiled), max_epochs=1, checkpoint_dir=tmp_path)
+    checkpoint = load_checkpoint(tmp_path, model=_module())  # fits the uncompiled module
+    assert sorted(checkpoint.state.model) == sorted(_module().state_dict())
+    # and the run resumes into a compiled module again, or an uncompiled one
+    again = torch.compile(_module(), backend="eager")
+    state = _fit(model=lamploop.SupervisedModel(again), max_epochs=2, checkpoint_dir=tmp_path)
+    assert state is not None
+    assert state.epoch == 2

@@ -264,6 +264,7 @@ class _TrainingPass:
                 await self._at_boundary(sync, stop=bool(stop))
             await yield_now()
         sync.end_pass()
+        self.channel.sync_buffers(self.model.module)
         total_loss, global_total = await _epoch_totals(self.channel, [self._loss_sum(), self.count])
         check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)
         if global_total == 0 and self.skipped_steps > 0:
@@ -312,6 +313,7 @@ class _TrainingPass:
         if self.boundary is None:
             return
         sync.end_pass()  # nothing in flight: every rank holds the step's parameters
+        self.channel.sync_buffers(self.model.module)  # what the checkpoint holds, every rank holds
         progress = StepProgress(
             steps_done=self.steps_done,
             loss_sum=self._loss_sum(),

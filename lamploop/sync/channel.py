@@ -53,6 +53,10 @@ class TensorChannel(Protocol):
         """Sum small float vectors over all ranks (float64, blocking)."""
         ...
 
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        """Make ``module``'s buffers alike on every rank (blocking; see :mod:`lamploop.sync.buffers`)."""
+        ...
+
     def begin_all_reduce_sum(
         self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None
     ) -> PendingSum:
@@ -112,6 +116,9 @@ class SingleProcessChannel:
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """The sum over one rank is the values themselves."""
         return [float(v) for v in values]
+
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        """One rank's buffers are alike already."""
 
     def begin_all_reduce_sum(
         self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None

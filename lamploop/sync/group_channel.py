@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S
+from lamploop.sync.buffers import average_buffers
 from lamploop.sync.collectives import Collectives, Group, Pending
 from lamploop.sync.strategy import GradientSync, SyncStrategy, strategy_named
 
@@ -77,6 +78,9 @@ class ProcessGroupChannel:
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         return self.collectives.sum(values).wait()
+
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        average_buffers(self.collectives, module)
 
     def begin_all_reduce_sum(
         self, values: Sequence[float], *, per_rank: float | torch.Tensor | None = None

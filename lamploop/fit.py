@@ -49,6 +49,7 @@ from lamploop.distributed.launch import (
 from lamploop.errors import ConfigurationError, TrainingInterrupted
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
 from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFailed, RunFinished, report_all
@@ -171,6 +172,8 @@ async def fit_async(
     checkpoint_every_seconds: float | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    model_selection_metric: str | None = None,
+    model_selection_mode: SelectionMode = "min",
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -210,6 +213,9 @@ async def fit_async(
             step on every rank and goes on (see :mod:`lamploop.loop.non_finite`).
         max_gradient_norm: clip each step's gradient (summed over the ranks) to this global
             L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (``None``: no clipping).
+        model_selection_metric, model_selection_mode: pick the best model by the smoothed
+            validation metric of that name (``"min"`` or ``"max"``), not the validation loss;
+            the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from

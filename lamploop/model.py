@@ -7,7 +7,7 @@ loss divided by the number of examples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lamploop.errors import ConfigurationError
+from lamploop.metrics import Metric
 
 __all__ = ["LossFunction", "SupervisedModel", "cross_entropy_loss", "mse_loss", "summed", "unwrapped"]
 
@@ -60,10 +61,13 @@ class SupervisedModel:
     Attributes:
         module: the ``torch.nn.Module``; ``module(features)`` gives the output.
         loss: maps ``(output, target)`` to ``(loss sum, example count)``.
+        metrics: named :class:`~lamploop.metrics.Metric` s, computed on the same output in
+            training and validation passes (e.g. ``{"accuracy": lamploop.metrics.accuracy}``).
     """
 
     module: torch.nn.Module
     loss: LossFunction = cross_entropy_loss
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict, converter=dict, hash=False)
 
     def loss_sum_and_count(self, features: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Run the module and the loss on one batch.
@@ -75,6 +79,18 @@ class SupervisedModel:
         if type(result) is not tuple or len(result) != 2:
             raise _not_a_sum_and_count(self.loss, result)
         return result
+
+    def loss_and_metrics(
+        self, features: Any, target: torch.Tensor
+    ) -> tuple[torch.Tensor, int, list[tuple[torch.Tensor, int]]]:
+        """:meth:`loss_sum_and_count`, and every metric's ``(sum, count)`` on the same output."""
+        output = self.module(features)
+        result = self.loss(output, target)
+        if type(result) is not tuple or len(result) != 2:
+            raise _not_a_sum_and_count(self.loss, result)
+        with torch.no_grad():
+            values = [metric(output, target) for metric in self.metrics.values()]
+        return result[0], result[1], values
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -173,6 +173,8 @@ class TrainingSettings:
         checkpoint_every_n_steps, checkpoint_every_seconds: checkpoints inside epochs.
         on_non_finite_loss: ``"raise"`` or ``"skip_step"`` (see :mod:`lamploop.loop.non_finite`).
         max_gradient_norm: clip each step's summed gradient to this global L2 norm (``None``: no clipping).
+        model_selection_metric, model_selection_mode: select the best model by a validation
+            metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
 
     Raises:
         ConfigurationError: a value is out of range; the message names the argument.
@@ -191,6 +193,13 @@ class TrainingSettings:
     checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
     on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
     max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
+    model_selection_metric: str | None = None
+    model_selection_mode: str = "min"
+
+    def __attrs_post_init__(self) -> None:
+        from lamploop.loop.selection import ModelSelection  # loop imports settings' constants
+
+        ModelSelection(self.model_selection_metric, self.model_selection_mode)  # type: ignore[arg-type]
 
     EVERY_RANK: ClassVar[tuple[str, ...]] = (
         "accumulate_gradient_over_n_batches",

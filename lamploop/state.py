@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import cattrs
+import cattrs.gen
 import torch
 
 __all__ = [
@@ -30,6 +31,14 @@ def _optional_pair(value: Any) -> tuple[float, float] | None:
     return (float(smoothed), float(raw))
 
 
+def _floats(value: Any) -> dict[str, float]:
+    return {str(name): float(v) for name, v in dict(value).items()}
+
+
+def _pairs(value: Any) -> dict[str, tuple[float, float]]:
+    return {str(name): (float(smoothed), float(raw)) for name, (smoothed, raw) in dict(value).items()}
+
+
 def _curve(entries: Iterable[LearningCurveEntry]) -> tuple[LearningCurveEntry, ...]:
     return tuple(entries)
 
@@ -43,11 +52,19 @@ class LearningCurveEntry:
         training_loss: mean training loss over every example of every rank.
         validation_loss: ``(smoothed, raw)`` validation loss, or ``None`` when
             validation did not run in this epoch.
+        training_metrics: each metric's mean over the epoch's training examples (see
+            :mod:`lamploop.metrics`); empty without metrics.
+        validation_metrics: each metric's ``(smoothed, raw)`` validation value, smoothed
+            like the loss; empty when validation did not run or without metrics.
     """
 
     epoch: int
     training_loss: float
     validation_loss: tuple[float, float] | None = attrs.field(default=None, converter=_optional_pair)
+    training_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_floats, hash=False)
+    validation_metrics: Mapping[str, tuple[float, float]] = attrs.field(
+        factory=dict, converter=_pairs, hash=False
+    )
 
 
 @attrs.frozen
@@ -104,3 +121,14 @@ converter = cattrs.Converter(forbid_extra_keys=True)
 
 # The state of a stateless schedule is None, and its state_type is NoneType.
 converter.register_structure_hook(type(None), _structure_none)
+
+# A run without metrics writes the learning curve as before: empty metric maps are left out.
+converter.register_unstructure_hook(
+    LearningCurveEntry,
+    cattrs.gen.make_dict_unstructure_fn(
+        LearningCurveEntry,
+        converter,
+        training_metrics=cattrs.gen.override(omit_if_default=True),
+        validation_metrics=cattrs.gen.override(omit_if_default=True),
+    ),
+)

@@ -41,6 +41,7 @@ from lamploop.errors import ConfigurationError, DistributedError, TrainingInterr
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
@@ -138,6 +139,8 @@ class _RootEpochs:
             init_state=self.state,
             learning_rate_schedule_init_state=self.schedule_state,
             validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
+            model_selection_metric=settings.model_selection_metric,
+            model_selection_mode=settings.model_selection_mode,  # type: ignore[arg-type]
         )
 
     async def tell(self, command: Train | Valid | Stop) -> None:
@@ -232,6 +235,8 @@ async def drive_distributed_training(
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    model_selection_metric: str | None = None,
+    model_selection_mode: SelectionMode = "min",
     checkpoint_position: CheckpointPosition | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
@@ -271,6 +276,8 @@ async def drive_distributed_training(
             rank (``"skip_step"``); must equal the followers'.
         max_gradient_norm: clip each step's gradient, summed over the ranks, to this global
             L2 norm (``None``: no clipping); must equal the followers'.
+        model_selection_metric, model_selection_mode: pick the best model by a validation
+            metric instead of the loss (see :func:`lamploop.epochs`).
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is

@@ -22,6 +22,7 @@ from lamploop.distributed.drive import OptimizerFactory, drive_distributed_train
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.errors import ConfigurationError
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
@@ -76,6 +77,8 @@ async def local_data_parallel_training_loop(
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    model_selection_metric: str | None = None,
+    model_selection_mode: SelectionMode = "min",
 ) -> LoopState:
     """Data-parallel training in one process: one replica per device, one thread each.
 
@@ -135,6 +138,8 @@ async def local_data_parallel_training_loop(
                     init_state=init_state,
                     learning_rate_schedule_init_state=learning_rate_schedule_init_state,
                     validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
+                    model_selection_metric=settings.model_selection_metric,
+                    model_selection_mode=model_selection_mode,
                     **step,
                 )
             )

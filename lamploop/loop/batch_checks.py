@@ -63,10 +63,13 @@ def prepare(item: Any, device: torch.device | None, epoch: int | None, index: in
 
 def loss_of(
     model: SupervisedModel, batch: Batch, epoch: int | None, index: int, rank: int
-) -> tuple[torch.Tensor, int]:
-    """The model's loss sum and example count on one batch; an error inside names the batch."""
+) -> tuple[torch.Tensor, int, Sequence[tuple[torch.Tensor, int]]]:
+    """The model's loss sum, example count and metrics on one batch; an error inside names the batch."""
     try:
-        return model.loss_sum_and_count(*batch)
+        if model.metrics:
+            return model.loss_and_metrics(*batch)
+        loss_sum, count = model.loss_sum_and_count(*batch)
+        return loss_sum, count, ()
     except (LamploopError, torch.OutOfMemoryError):
         raise  # ours say where already; running out of memory is no fault of the batch
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:

@@ -27,6 +27,8 @@ from typing import Any, Final, TypeVar
 import attrs
 
 from lamploop.errors import ConfigurationError, NonFiniteLossError
+from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics
+from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import check_int, check_smoothing
 from lamploop.state import LearningCurveEntry, LoopState
@@ -115,6 +117,8 @@ async def epochs(
     init_state: LoopState | None = None,
     learning_rate_schedule_init_state: S | None = None,
     validation_loss_exponential_smoothing_factor: float = 1.0,
+    model_selection_metric: str | None = None,
+    model_selection_mode: SelectionMode = "min",
 ) -> LoopState:
     """Run epochs until ``max_epochs`` or until the schedule's factor is <= 0.
 
@@ -142,7 +146,11 @@ async def epochs(
         validation_loss_exponential_smoothing_factor: ``a`` in
             ``smoothed = raw * a + previous_smoothed * (1 - a)``; the first
             smoothed value is the raw one.  The last smoothed value carries over
-            epochs without validation.
+            epochs without validation.  Metrics are smoothed alike.
+        model_selection_metric, model_selection_mode: select the best model by the
+            smoothed validation metric of that name (see :mod:`lamploop.metrics`), the
+            smallest (``"min"``) or the largest (``"max"``); ``None`` (default): by the
+            smoothed validation loss.  The best value is in ``min_validation_loss``.
 
     Returns:
         The final ``LoopState``; its ``epoch`` is the number of epochs run in all.
@@ -155,6 +163,7 @@ async def epochs(
     schedule = learning_rate_schedule
     a = validation_loss_exponential_smoothing_factor
     _validate(max_epochs, validation_frequency, a, schedule, validation_epoch is not None, init_state)
+    selection = ModelSelection(model_selection_metric, model_selection_mode)
     state = init_state if init_state is not None else LoopState()
     schedule_state: S = (
         learning_rate_schedule_init_state
@@ -169,12 +178,16 @@ async def epochs(
         _check_factor(factor, schedule, epoch)
         if epoch >= max_epochs or factor <= 0:
             return state
-        training_loss = _finite(await train_epoch(factor), "training loss", epoch)
+        trained = await train_epoch(factor)
+        training_loss = _finite(trained, "training loss", epoch)
         validation: tuple[float, float] | None = None
+        validation_metrics: dict[str, tuple[float, float]] = {}
         if validation_epoch is not None and epoch % validation_frequency == 0:
-            raw = _finite(await validation_epoch(), "validation loss", epoch)
+            validated = await validation_epoch()
+            raw = _finite(validated, "validation loss", epoch)
             previous = state.last_validation_loss if state.last_validation_loss is not None else raw
             validation = (raw * a + previous * (1.0 - a), raw)
+            validation_metrics = smoothed_metrics(metrics_of(validated), state.learning_curve, a)
         last, best, best_epoch = (
             state.last_validation_loss,
             state.min_validation_loss,
@@ -182,8 +195,9 @@ async def epochs(
         )
         if validation is not None:
             last = validation[0]
-            if epoch in return_min_validation_loss_model and (best is None or last < best):
-                best, best_epoch = last, epoch
+            value = selection.value(validation, validation_metrics, epoch)
+            if epoch in return_min_validation_loss_model and selection.improves(value, best):
+                best, best_epoch = value, epoch
                 await save_min_validation_loss_model()
         state = attrs.evolve(
             state,
@@ -191,7 +205,10 @@ async def epochs(
             last_validation_loss=last,
             min_validation_loss=best,
             min_validation_epoch=best_epoch,
-            learning_curve=(*state.learning_curve, LearningCurveEntry(epoch, training_loss, validation)),
+            learning_curve=(
+                *state.learning_curve,
+                LearningCurveEntry(epoch, training_loss, validation, metrics_of(trained), validation_metrics),
+            ),
         )
         if checkpoint_state is not None:
             await checkpoint_state(state, schedule_state)

@@ -29,7 +29,9 @@ from lamploop.batches import BatchStream
 from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
 from lamploop.loop.batch_checks import check_finite, check_stream, loss_of, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
+from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
+from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.settings import check_positive
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
@@ -55,14 +57,17 @@ class _Yielder:
             await anyio.lowlevel.checkpoint()
 
 
-async def _epoch_totals(channel: TensorChannel, values: list[float]) -> tuple[float, float]:
-    """The loss sum and example count over all ranks."""
+async def _epoch_totals(
+    channel: TensorChannel, values: list[float], metrics: MetricSums
+) -> tuple[float, float, list[float]]:
+    """The loss sum, example count and metric totals over all ranks, in one all-reduce."""
+    values = values + metrics.totals()
     if channel.nranks == 1:
-        total, global_count = channel.all_reduce_sum(values)
+        total, global_count, *metric_totals = channel.all_reduce_sum(values)
     else:
         # This waits for the slowest rank's whole epoch: keep the event loop (heartbeats) free.
-        total, global_count = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
-    return total, global_count
+        total, global_count, *metric_totals = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
+    return total, global_count, metric_totals
 
 
 class _Scales:
@@ -134,8 +139,11 @@ async def one_epoch(
         check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
     target_device = torch.device(device) if device is not None else None
+    metrics = MetricSums(list(model.metrics))
     if forward_only:
-        total, count = await _forward_pass(model, batches, channel, target_device, epoch)
+        total, count, metric_totals = await _forward_pass(
+            model, batches, channel, target_device, epoch, metrics
+        )
     elif step_optimizer is None:
         msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
         raise ConfigurationError(msg)
@@ -143,12 +151,14 @@ async def one_epoch(
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
         )
-        training.max_gradient_norm = max_gradient_norm
-        total, count = await training.run(batches)
+        training.max_gradient_norm, training.metrics = max_gradient_norm, metrics
+        total, count, metric_totals = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
         raise BatchError(msg)
+    if metrics:
+        return PassResult(total / count, metrics.means(metric_totals))
     return total / count
 
 
@@ -158,7 +168,8 @@ async def _forward_pass(
     channel: TensorChannel,
     device: torch.device | None,
     epoch: int | None,
-) -> tuple[float, float]:
+    metrics: MetricSums,
+) -> tuple[float, float, list[float]]:
     model.module.eval()
     rank = channel.rank
     losses: list[torch.Tensor] = []
@@ -167,14 +178,18 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            loss_sum, n = loss_of(model, prepare(item, device, epoch, index, rank), epoch, index, rank)
+            loss_sum, n, values = loss_of(
+                model, prepare(item, device, epoch, index, rank), epoch, index, rank
+            )
+            if metrics:
+                metrics.add(values)
             losses.append(loss_sum.detach())
             count += n
             await yield_now()
     local = float(torch.stack(losses).sum()) if losses else 0.0
-    total, global_count = await _epoch_totals(channel, [local, count])
+    total, global_count, metric_totals = await _epoch_totals(channel, [local, count], metrics)
     check_finite(losses, total, epoch, rank)
-    return total, global_count
+    return total, global_count, metric_totals
 
 
 class _TrainingPass:
@@ -205,6 +220,7 @@ class _TrainingPass:
         self.upcoming: Any = None
         self.step_first = 0  # where the current step's batches start in self.losses
         self.max_gradient_norm: float | None = None
+        self.metrics = MetricSums(())
         self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
@@ -224,7 +240,7 @@ class _TrainingPass:
         losses = torch.stack(self.losses).to(device="cpu", dtype=torch.float64).reshape(-1)
         return float(torch.cat([start, losses]).cumsum(0)[-1])
 
-    async def run(self, batches: BatchStream) -> tuple[float, float]:
+    async def run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
         sync = self.channel.gradient_sync(self.model.module)
         self.model.module.train()
         sync.begin_pass()
@@ -265,13 +281,15 @@ class _TrainingPass:
             await yield_now()
         sync.end_pass()
         self.channel.sync_buffers(self.model.module)
-        total_loss, global_total = await _epoch_totals(self.channel, [self._loss_sum(), self.count])
+        total_loss, global_total, metric_totals = await _epoch_totals(
+            self.channel, [self._loss_sum(), self.count], self.metrics
+        )
         check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)
         if global_total == 0 and self.skipped_steps > 0:
             place = "" if self.epoch is None else f" of epoch {self.epoch}"
             msg = f"all {self.skipped_steps} steps{place} had a non-finite loss and were skipped"
             raise NonFiniteLossError(msg, epoch=self.epoch, batch=None)
-        return total_loss, global_total
+        return total_loss, global_total, metric_totals
 
     def _begin_step_sum(self, group_count: int) -> PendingSum:
         """Start the step's sum over ranks: [examples, checkpoint?, stop?] + every rank's loss sum."""
@@ -306,6 +324,8 @@ class _TrainingPass:
             raise error
         # The step's batches leave the epoch's loss (zeros keep the batch positions).
         self.losses[self.step_first :] = [torch.zeros_like(loss) for loss in step_batches]
+        if self.metrics:
+            self.metrics.drop_from(self.step_first)
         self.skipped_steps += 1
         _log.warning("%s", error)
 
@@ -341,7 +361,9 @@ class _TrainingPass:
             index = self.first_index + len(self.losses)
             batch = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
             self.upcoming = await anext(stream, None)
-            loss_sum, n = loss_of(self.model, batch, self.epoch, index, self.rank)
+            loss_sum, n, values = loss_of(self.model, batch, self.epoch, index, self.rank)
+            if self.metrics:
+                self.metrics.add(values)
             if position == 0 and self.single:
                 expected = self.k * n  # one rank knows its step's count up front
             self.losses.append(loss_sum.detach())

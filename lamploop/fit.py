@@ -49,6 +49,7 @@ from lamploop.distributed.launch import (
 from lamploop.errors import ConfigurationError, TrainingInterrupted
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
@@ -172,6 +173,7 @@ async def fit_async(
     checkpoint_every_seconds: float | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    precision: Precision = "32",
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState | None:
@@ -213,6 +215,8 @@ async def fit_async(
             step on every rank and goes on (see :mod:`lamploop.loop.non_finite`).
         max_gradient_norm: clip each step's gradient (summed over the ranks) to this global
             L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (``None``: no clipping).
+        precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"``: forward passes under autocast,
+            fp16 with a dynamic loss scale (see :mod:`lamploop.loop.precision`).
         model_selection_metric, model_selection_mode: pick the best model by the smoothed
             validation metric of that name (``"min"`` or ``"max"``), not the validation loss;
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).

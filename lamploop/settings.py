@@ -28,6 +28,7 @@ from lamploop.schedules import LearningRateSchedule, noop
 
 if TYPE_CHECKING:
     from lamploop.loop.non_finite import NonFiniteLossPolicy
+    from lamploop.loop.precision import Precision
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -143,6 +144,12 @@ def _optional_positive(_: object, attribute: attrs.Attribute[float | None], valu
         check_positive(attribute.name, value)
 
 
+def _precision(_: object, __: attrs.Attribute[str], value: str) -> None:
+    from lamploop.loop.precision import check_precision  # loop imports settings' constants
+
+    check_precision(value)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -173,6 +180,7 @@ class TrainingSettings:
         checkpoint_every_n_steps, checkpoint_every_seconds: checkpoints inside epochs.
         on_non_finite_loss: ``"raise"`` or ``"skip_step"`` (see :mod:`lamploop.loop.non_finite`).
         max_gradient_norm: clip each step's summed gradient to this global L2 norm (``None``: no clipping).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see :mod:`lamploop.loop.precision`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
 
@@ -193,6 +201,7 @@ class TrainingSettings:
     checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
     on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
     max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
+    precision: Precision = attrs.field(default="32", validator=_precision)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
 
@@ -208,6 +217,7 @@ class TrainingSettings:
         "collective_timeout",
         "on_non_finite_loss",
         "max_gradient_norm",
+        "precision",
     )
     """The settings every rank must hold alike (followers take only these)."""
 

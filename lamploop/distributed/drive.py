@@ -41,6 +41,7 @@ from lamploop.errors import ConfigurationError, DistributedError, TrainingInterr
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
@@ -235,6 +236,7 @@ async def drive_distributed_training(
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    precision: Precision = "32",
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     checkpoint_position: CheckpointPosition | None = None,
@@ -278,6 +280,8 @@ async def drive_distributed_training(
             L2 norm (``None``: no clipping); must equal the followers'.
         model_selection_metric, model_selection_mode: pick the best model by a validation
             metric instead of the loss (see :func:`lamploop.epochs`).
+        precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss
+            scale, and only with ``all_reduce``); must equal the followers'.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is

@@ -17,6 +17,7 @@ from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochStopped
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.precision import Precision
 from lamploop.model import SupervisedModel
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.sync.collectives import AbortSignal
@@ -42,6 +43,7 @@ async def follow_distributed_training(
     stop: StopRequest | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    precision: Precision = "32",
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -56,7 +58,7 @@ async def follow_distributed_training(
             ``BatchContext(epoch, rank, nranks)``.
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
-        strategy, on_non_finite_loss, max_gradient_norm: must equal the root's (see
+        strategy, on_non_finite_loss, max_gradient_norm, precision: must equal the root's (see
             :func:`drive_distributed_training`).
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.

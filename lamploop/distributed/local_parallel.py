@@ -22,6 +22,7 @@ from lamploop.distributed.drive import OptimizerFactory, drive_distributed_train
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.errors import ConfigurationError
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
@@ -77,6 +78,7 @@ async def local_data_parallel_training_loop(
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    precision: Precision = "32",
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState:

@@ -20,8 +20,10 @@ from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequ
 from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
+from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
+from lamploop.loop.precision import LossScale
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
@@ -78,6 +80,11 @@ class Replica:
     run_epoch: EpochRunner = run_here
     boundary: RankBoundary | None = None
     resume_at: EpochPosition | None = None
+    loss_scale: LossScale | None = attrs.field(factory=lambda: None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.settings.precision == "fp16":
+            self.loss_scale = LossScale()  # one per run: the scale carries over epochs
 
     def _context(self, epoch: int) -> BatchContext:
         return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)
@@ -107,6 +114,8 @@ class Replica:
             accumulate_gradient_over_n_batches=self.settings.accumulate_gradient_over_n_batches,
             on_non_finite_loss=self.settings.on_non_finite_loss,
             max_gradient_norm=self.settings.max_gradient_norm,
+            precision=self.settings.precision,
+            loss_scale=self.loss_scale,
             start=start,
             boundary=self.boundary,
         )
@@ -237,6 +246,12 @@ async def open_replica(
         try:
             module = plan.model.module
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
+            if settings.precision == "fp16" and not strategy.steps_on_every_rank:
+                msg = (
+                    f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
+                    f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
+                )
+                raise ConfigurationError(msg)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
         except BaseException:

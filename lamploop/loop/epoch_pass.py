@@ -27,10 +27,12 @@ import torch
 
 from lamploop.batches import BatchStream
 from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
-from lamploop.loop.batch_checks import check_finite, check_stream, loss_of, prepare
+from lamploop.loop.batch_checks import check_finite, check_stream, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
+from lamploop.loop.forward import BackwardSeeds, Forward, device_of
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
+from lamploop.loop.precision import LossScale, Precision, check_precision, unscale_and_check
 from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.settings import check_positive
@@ -70,21 +72,6 @@ async def _epoch_totals(
     return total, global_count, metric_totals
 
 
-class _Scales:
-    """``1 / expected`` as a 0-dim tensor like the loss, made once per distinct value."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, expected: int, like: torch.Tensor) -> torch.Tensor:
-        key = (expected, like.dtype, like.device)
-        scale = self._cache.get(key)
-        if scale is None:
-            scale = torch.ones((), dtype=like.dtype, device=like.device).div(expected)
-            self._cache[key] = scale
-        return scale
-
-
 async def one_epoch(
     *,
     model: SupervisedModel,
@@ -99,6 +86,8 @@ async def one_epoch(
     boundary: StepBoundary | None = None,
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
+    precision: Precision = "32",
+    loss_scale: LossScale | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -120,6 +109,9 @@ async def one_epoch(
             drops that step; see :mod:`lamploop.loop.non_finite`).  Validation always raises.
         max_gradient_norm: clip the step's gradient to this global L2 norm, after the
             ranks' gradients are summed (so every rank clips the same gradient alike).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``: forward passes under autocast (see
+            :mod:`lamploop.loop.precision`).
+        loss_scale: fp16's loss scale, to keep across epochs (default: a new one).
 
     Raises:
         ConfigurationError: bad arguments.
@@ -135,14 +127,16 @@ async def one_epoch(
         raise ConfigurationError(msg)
     check_stream(batches)
     policy = check_policy(on_non_finite_loss)
+    check_precision(precision)
     if max_gradient_norm is not None:
         check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
     target_device = torch.device(device) if device is not None else None
     metrics = MetricSums(list(model.metrics))
+    forward_of = Forward(model, precision, target_device or device_of(model.module))
     if forward_only:
         total, count, metric_totals = await _forward_pass(
-            model, batches, channel, target_device, epoch, metrics
+            forward_of, batches, channel, target_device, epoch, metrics
         )
     elif step_optimizer is None:
         msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
@@ -151,7 +145,13 @@ async def one_epoch(
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
         )
-        training.max_gradient_norm, training.metrics = max_gradient_norm, metrics
+        training.max_gradient_norm, training.metrics, training.forward = (
+            max_gradient_norm,
+            metrics,
+            forward_of,
+        )
+        if precision == "fp16":
+            training.loss_scale = loss_scale if loss_scale is not None else LossScale()
         total, count, metric_totals = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
@@ -163,14 +163,14 @@ async def one_epoch(
 
 
 async def _forward_pass(
-    model: SupervisedModel,
+    forward: Forward,
     batches: BatchStream,
     channel: TensorChannel,
     device: torch.device | None,
     epoch: int | None,
     metrics: MetricSums,
 ) -> tuple[float, float, list[float]]:
-    model.module.eval()
+    forward.model.module.eval()
     rank = channel.rank
     losses: list[torch.Tensor] = []
     count = 0
@@ -178,9 +178,7 @@ async def _forward_pass(
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
-            loss_sum, n, values = loss_of(
-                model, prepare(item, device, epoch, index, rank), epoch, index, rank
-            )
+            loss_sum, n, values = forward(prepare(item, device, epoch, index, rank), epoch, index, rank)
             if metrics:
                 metrics.add(values)
             losses.append(loss_sum.detach())
@@ -216,11 +214,13 @@ class _TrainingPass:
         self.count = start.example_count
         self.steps_done = start.steps_done
         self.previous_global_count = start.last_step_examples
-        self.scales = _Scales()
+        self.scales = BackwardSeeds()
         self.upcoming: Any = None
         self.step_first = 0  # where the current step's batches start in self.losses
         self.max_gradient_norm: float | None = None
         self.metrics = MetricSums(())
+        self.forward = Forward(model, "32", torch.device("cpu"))
+        self.loss_scale: LossScale | None = None
         self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
@@ -271,9 +271,7 @@ class _TrainingPass:
                 self._non_finite_step(bad, step_losses)
             else:
                 self.count += group_count
-                if self.max_gradient_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.module.parameters(), self.max_gradient_norm)
-                self.step_optimizer()
+                self._step()
             sync.after_step()
             self.steps_done += 1
             if (checkpoint or stop) and self.boundary is not None:
@@ -290,6 +288,17 @@ class _TrainingPass:
             msg = f"all {self.skipped_steps} steps{place} had a non-finite loss and were skipped"
             raise NonFiniteLossError(msg, epoch=self.epoch, batch=None)
         return total_loss, global_total, metric_totals
+
+    def _step(self) -> None:
+        """The optimizer step on the step's complete gradients (unscaled and clipped first)."""
+        if self.loss_scale is not None:
+            found_inf = unscale_and_check(list(self.model.module.parameters()), self.loss_scale.scale)
+            self.loss_scale.update(found_inf=found_inf)
+            if found_inf:  # every rank holds the same reduced gradients: every rank skips
+                return
+        if self.max_gradient_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.module.parameters(), self.max_gradient_norm)
+        self.step_optimizer()
 
     def _begin_step_sum(self, group_count: int) -> PendingSum:
         """Start the step's sum over ranks: [examples, checkpoint?, stop?] + every rank's loss sum."""
@@ -361,7 +370,7 @@ class _TrainingPass:
             index = self.first_index + len(self.losses)
             batch = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
             self.upcoming = await anext(stream, None)
-            loss_sum, n, values = loss_of(self.model, batch, self.epoch, index, self.rank)
+            loss_sum, n, values = self.forward(batch, self.epoch, index, self.rank)
             if self.metrics:
                 self.metrics.add(values)
             if position == 0 and self.single:
@@ -373,7 +382,10 @@ class _TrainingPass:
                 # bucket, so the collectives pair up in the same order on all ranks.
                 pending = self._begin_step_sum(group_count)
                 sync.last_backward()
-            if expected == 1:
+            if self.loss_scale is not None:
+                seed = self.loss_scale.scale / expected
+                loss_sum.backward(torch.full((), seed, dtype=loss_sum.dtype, device=loss_sum.device))
+            elif expected == 1:
                 loss_sum.backward()
             else:
                 # Seeding backward with 1/expected gives the gradients of loss_sum / expected

@@ -57,6 +57,7 @@ from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFail
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.step_schedules import StepSchedule
 from lamploop.stopping import blocking, stop_on_signals, stop_request
 
 __all__ = ["fit", "fit_async"]
@@ -174,6 +175,7 @@ async def fit_async(
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
+    step_schedule: StepSchedule | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState | None:
@@ -217,6 +219,8 @@ async def fit_async(
             L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (``None``: no clipping).
         precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"``: forward passes under autocast,
             fp16 with a dynamic loss scale (see :mod:`lamploop.loop.precision`).
+        step_schedule: a per-step learning-rate factor (warm-up, cosine or linear decay),
+            multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.step_schedules`).
         model_selection_metric, model_selection_mode: pick the best model by the smoothed
             validation metric of that name (``"min"`` or ``"max"``), not the validation loss;
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).

@@ -29,6 +29,7 @@ from lamploop.schedules import LearningRateSchedule, noop
 if TYPE_CHECKING:
     from lamploop.loop.non_finite import NonFiniteLossPolicy
     from lamploop.loop.precision import Precision
+    from lamploop.step_schedules import StepSchedule
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -150,6 +151,15 @@ def _precision(_: object, __: attrs.Attribute[str], value: str) -> None:
     check_precision(value)
 
 
+def _step_schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(getattr(value, "factor", None)):
+        msg = (
+            "step_schedule must have factor(epoch, step) (see lamploop.step_schedules), "
+            f"got {type(value).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -181,6 +191,8 @@ class TrainingSettings:
         on_non_finite_loss: ``"raise"`` or ``"skip_step"`` (see :mod:`lamploop.loop.non_finite`).
         max_gradient_norm: clip each step's summed gradient to this global L2 norm (``None``: no clipping).
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see :mod:`lamploop.loop.precision`).
+        step_schedule: a per-step learning-rate factor, times the epoch schedule's
+            (see :mod:`lamploop.step_schedules`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
 
@@ -202,6 +214,7 @@ class TrainingSettings:
     on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
     max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
     precision: Precision = attrs.field(default="32", validator=_precision)
+    step_schedule: StepSchedule | None = attrs.field(default=None, validator=_step_schedule)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
 
@@ -218,6 +231,7 @@ class TrainingSettings:
         "on_non_finite_loss",
         "max_gradient_norm",
         "precision",
+        "step_schedule",
     )
     """The settings every rank must hold alike (followers take only these)."""
 

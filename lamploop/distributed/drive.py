@@ -47,6 +47,7 @@ from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.step_schedules import StepSchedule
 from lamploop.sync.collectives import AbortSignal
 
 __all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
@@ -237,6 +238,7 @@ async def drive_distributed_training(
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
+    step_schedule: StepSchedule | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     checkpoint_position: CheckpointPosition | None = None,
@@ -282,6 +284,9 @@ async def drive_distributed_training(
             metric instead of the loss (see :func:`lamploop.epochs`).
         precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss
             scale, and only with ``all_reduce``); must equal the followers'.
+        step_schedule: a per-step learning-rate factor (warm-up, cosine...), multiplied
+            with the epoch schedule's (see :mod:`lamploop.step_schedules`); must equal the
+            followers'.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is

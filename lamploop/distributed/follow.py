@@ -20,6 +20,7 @@ from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.model import SupervisedModel
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
+from lamploop.step_schedules import StepSchedule
 from lamploop.sync.collectives import AbortSignal
 from lamploop.sync.strategy import AUTO, strategy_named
 
@@ -44,6 +45,7 @@ async def follow_distributed_training(
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
+    step_schedule: StepSchedule | None = None,
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -58,7 +60,8 @@ async def follow_distributed_training(
             ``BatchContext(epoch, rank, nranks)``.
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
-        strategy, on_non_finite_loss, max_gradient_norm, precision: must equal the root's (see
+        strategy, on_non_finite_loss, max_gradient_norm, precision, step_schedule: must equal
+            the root's (see
             :func:`drive_distributed_training`).
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.

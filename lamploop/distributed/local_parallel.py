@@ -28,6 +28,7 @@ from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.step_schedules import StepSchedule
 
 __all__ = ["local_data_parallel_training_loop"]
 
@@ -79,6 +80,7 @@ async def local_data_parallel_training_loop(
     on_non_finite_loss: NonFiniteLossPolicy = "raise",
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
+    step_schedule: StepSchedule | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState:

@@ -26,6 +26,7 @@ from lamploop.loop.epoch_pass import one_epoch
 from lamploop.loop.precision import LossScale
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
+from lamploop.step_schedules import check_step_factor
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.group_channel import ProcessGroupChannel
@@ -116,9 +117,22 @@ class Replica:
             max_gradient_norm=self.settings.max_gradient_norm,
             precision=self.settings.precision,
             loss_scale=self.loss_scale,
+            before_step=self._step_learning_rates(epoch, lr_factor),
             start=start,
             boundary=self.boundary,
         )
+
+    def _step_learning_rates(self, epoch: int, lr_factor: float) -> Callable[[int], None] | None:
+        """Sets each step's learning rates: base * epoch factor * step factor (with a step schedule)."""
+        schedule, optimizer = self.settings.step_schedule, self.optimizer
+        if schedule is None or optimizer is None:
+            return None
+
+        def before_step(step: int) -> None:
+            factor = lr_factor * check_step_factor(schedule, epoch, step)
+            set_learning_rate_factor(optimizer, self.base_lrs, factor)
+
+        return before_step
 
     async def validate(self, epoch: int) -> float:
         """One forward-only pass over the validation stream; the global mean loss."""

@@ -88,6 +88,7 @@ async def one_epoch(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     loss_scale: LossScale | None = None,
+    before_step: Callable[[int], object] | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -112,6 +113,8 @@ async def one_epoch(
         precision: ``"32"``, ``"bf16"`` or ``"fp16"``: forward passes under autocast (see
             :mod:`lamploop.loop.precision`).
         loss_scale: fp16's loss scale, to keep across epochs (default: a new one).
+        before_step: called with the step's index in the epoch right before each optimizer
+            step (e.g. to set a per-step learning rate; see :mod:`lamploop.step_schedules`).
 
     Raises:
         ConfigurationError: bad arguments.
@@ -145,11 +148,10 @@ async def one_epoch(
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
         )
-        training.max_gradient_norm, training.metrics, training.forward = (
-            max_gradient_norm,
-            metrics,
-            forward_of,
-        )
+        training.max_gradient_norm = max_gradient_norm
+        training.metrics = metrics
+        training.forward = forward_of
+        training.before_step = before_step
         if precision == "fp16":
             training.loss_scale = loss_scale if loss_scale is not None else LossScale()
         total, count, metric_totals = await training.run(batches)
@@ -221,6 +223,7 @@ class _TrainingPass:
         self.metrics = MetricSums(())
         self.forward = Forward(model, "32", torch.device("cpu"))
         self.loss_scale: LossScale | None = None
+        self.before_step: Callable[[int], object] | None = None
         self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
@@ -298,6 +301,8 @@ class _TrainingPass:
                 return
         if self.max_gradient_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.module.parameters(), self.max_gradient_norm)
+        if self.before_step is not None:
+            self.before_step(self.steps_done)
         self.step_optimizer()
 
     def _begin_step_sum(self, group_count: int) -> PendingSum:

@@ -1,0 +1,138 @@
+"""Per-step learning-rate factors: warm-up, cosine and linear decay, as pure functions of the step.
+
+The epoch schedules (:mod:`lamploop.schedules`) give one factor per epoch; a step schedule
+gives one per optimizer step, and the learning rate of a step is
+``base_lr * epoch_factor * step_factor``.  A step schedule is a pure function of
+``(epoch, step)``, ``step`` being the step's index within its epoch, so a resumed run (also
+one resumed mid-epoch) asks exactly what the uninterrupted run asked, and nothing needs to
+be checkpointed.  Schedules count a global step ``epoch * steps_per_epoch + step``;
+``steps_per_epoch`` is the number of optimizer steps of a full epoch (with several ranks,
+of the rank with the most batches, divided by the accumulation).
+
+>>> schedule = warmup_linear(warmup_steps=2, total_steps=6, steps_per_epoch=3)
+>>> [round(schedule.factor(e, s), 3) for e in range(3) for s in range(3)]
+[0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from lamploop.errors import ConfigurationError
+from lamploop.settings import check_int
+
+__all__ = [
+    "StepSchedule",
+    "WarmupCosine",
+    "WarmupLinear",
+    "check_step_factor",
+    "warmup_cosine",
+    "warmup_linear",
+]
+
+
+@runtime_checkable
+class StepSchedule(Protocol):
+    """``factor(epoch, step) -> float``: the learning-rate factor of step ``step`` of epoch ``epoch``."""
+
+    def factor(self, epoch: int, step: int) -> float: ...
+
+
+def _global(epoch: int, step: int, steps_per_epoch: int) -> int:
+    return epoch * steps_per_epoch + step
+
+
+def _ramp(t: int, warmup_steps: int) -> float | None:
+    """Linear warm-up: ``(t + 1) / warmup_steps`` during it, else ``None``."""
+    return (t + 1) / warmup_steps if t < warmup_steps else None
+
+
+@attrs.frozen
+class WarmupCosine:
+    """Linear warm-up, then a half cosine from 1 down to ``final`` at ``total_steps`` (and after)."""
+
+    warmup_steps: int
+    total_steps: int
+    steps_per_epoch: int
+    final: float = 0.0
+
+    def factor(self, epoch: int, step: int) -> float:
+        t = _global(epoch, step, self.steps_per_epoch)
+        ramp = _ramp(t, self.warmup_steps)
+        if ramp is not None:
+            return ramp
+        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@attrs.frozen
+class WarmupLinear:
+    """Linear warm-up, then a straight line from 1 down to ``final`` at ``total_steps`` (and after)."""
+
+    warmup_steps: int
+    total_steps: int
+    steps_per_epoch: int
+    final: float = 0.0
+
+    def factor(self, epoch: int, step: int) -> float:
+        t = _global(epoch, step, self.steps_per_epoch)
+        ramp = _ramp(t, self.warmup_steps)
+        if ramp is not None:
+            return ramp
+        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return 1.0 + (self.final - 1.0) * progress
+
+
+def _checked(warmup_steps: int, total_steps: int, steps_per_epoch: int, final: float, name: str) -> None:
+    try:
+        check_int("warmup_steps", warmup_steps, 0)
+        check_int("total_steps", total_steps, 1)
+        check_int("steps_per_epoch", steps_per_epoch, 1)
+    except ConfigurationError as exc:
+        msg = f"{name}: {exc}"
+        raise ConfigurationError(msg) from None
+    if warmup_steps > total_steps or not math.isfinite(final) or final < 0:
+        msg = (
+            f"{name}: needs warmup_steps <= total_steps and a finite final >= 0, got "
+            f"warmup_steps={warmup_steps}, total_steps={total_steps}, final={final}"
+        )
+        raise ConfigurationError(msg)
+
+
+def warmup_cosine(
+    *, warmup_steps: int, total_steps: int, steps_per_epoch: int, final: float = 0.0
+) -> WarmupCosine:
+    """Warm up linearly over ``warmup_steps`` steps, then decay along a half cosine to ``final``.
+
+    Raises:
+        ConfigurationError: a count out of range or ``warmup_steps > total_steps``.
+    """
+    _checked(warmup_steps, total_steps, steps_per_epoch, final, "warmup_cosine")
+    return WarmupCosine(warmup_steps, total_steps, steps_per_epoch, final)
+
+
+def warmup_linear(
+    *, warmup_steps: int, total_steps: int, steps_per_epoch: int, final: float = 0.0
+) -> WarmupLinear:
+    """Warm up linearly over ``warmup_steps`` steps, then decay linearly to ``final``.
+
+    Raises:
+        ConfigurationError: a count out of range or ``warmup_steps > total_steps``.
+    """
+    _checked(warmup_steps, total_steps, steps_per_epoch, final, "warmup_linear")
+    return WarmupLinear(warmup_steps, total_steps, steps_per_epoch, final)
+
+
+def check_step_factor(schedule: StepSchedule, epoch: int, step: int) -> float:
+    """``schedule``'s factor for the step, which must be a finite number >= 0."""
+    factor = schedule.factor(epoch, step)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < math.inf:
+        msg = (
+            f"the step schedule {type(schedule).__name__} gave the factor {factor!r} for epoch "
+            f"{epoch}, step {step}; a step factor must be a finite number >= 0"
+        )
+        raise ConfigurationError(msg)
+    return float(factor)

@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from lamploop.arguments import check_batch_factory, check_model, check_optimizer_factory
+from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lamploop.control.tcp import TcpControlRoot
@@ -176,6 +177,7 @@ async def fit_async(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState | None:
@@ -221,6 +223,9 @@ async def fit_async(
             fp16 with a dynamic loss scale (see :mod:`lamploop.loop.precision`).
         step_schedule: a per-step learning-rate factor (warm-up, cosine or linear decay),
             multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.step_schedules`).
+        averaging: ``lamploop.averaging.ema(decay)`` or ``swa(start_epoch)``: the weight
+            average is checkpointed, and the model ends holding it (instead of the best
+            validation epoch's model).
         model_selection_metric, model_selection_mode: pick the best model by the smoothed
             validation metric of that name (``"min"`` or ``"max"``), not the validation loss;
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).

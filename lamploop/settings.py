@@ -27,6 +27,7 @@ from lamploop.errors import ConfigurationError
 from lamploop.schedules import LearningRateSchedule, noop
 
 if TYPE_CHECKING:
+    from lamploop.averaging import Averaging
     from lamploop.loop.non_finite import NonFiniteLossPolicy
     from lamploop.loop.precision import Precision
     from lamploop.step_schedules import StepSchedule
@@ -160,6 +161,14 @@ def _step_schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigurationError(msg)
 
 
+def _averaging(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    from lamploop.averaging import EMA, SWA  # averaging imports model, model imports errors only
+
+    if value is not None and not isinstance(value, (EMA, SWA)):
+        msg = f"averaging must be lamploop.averaging.ema(...) or swa(...), got {type(value).__name__}"
+        raise ConfigurationError(msg)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -193,6 +202,7 @@ class TrainingSettings:
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see :mod:`lamploop.loop.precision`).
         step_schedule: a per-step learning-rate factor, times the epoch schedule's
             (see :mod:`lamploop.step_schedules`).
+        averaging: keep an EMA or SWA of the weights on the root (see :mod:`lamploop.averaging`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
 
@@ -215,6 +225,7 @@ class TrainingSettings:
     max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
     precision: Precision = attrs.field(default="32", validator=_precision)
     step_schedule: StepSchedule | None = attrs.field(default=None, validator=_step_schedule)
+    averaging: Averaging | None = attrs.field(default=None, validator=_averaging)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
 

@@ -98,12 +98,17 @@ class LoopStateWithModelAndOptimizerData:
         optimizer: ``optimizer.state_dict()`` (tensors and plain values).
         best_model: the ``state_dict()`` at the minimum smoothed validation
             loss; empty when no eligible epoch has validated yet.
+        averaged_model: the weight average's ``state_dict()`` (see
+            :mod:`lamploop.averaging`); empty without averaging.
+        averaged_count: how many updates the average has had.
     """
 
     loop_state: LoopState
     model: Mapping[str, torch.Tensor]
     optimizer: Mapping[str, Any]
     best_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+    averaged_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+    averaged_count: int = 0
 
 
 def _structure_none(value: object, _: object) -> None:

@@ -26,6 +26,7 @@ LATEST_NAME: Final = "latest"
 
 MODEL_FILE: Final = "model.safetensors"
 BEST_MODEL_FILE: Final = "best_model.safetensors"
+AVERAGED_MODEL_FILE: Final = "averaged_model.safetensors"
 OPTIMIZER_FILE: Final = "optimizer.safetensors"
 RNG_FILE: Final = "rng.safetensors"
 
@@ -79,6 +80,9 @@ class _Descriptor:
     position: EpochPosition | None = None
     rank_rngs: list[_RngRecord] = attrs.Factory(list)
     sequence: int = 0
+    # A run with weight averaging (lamploop.averaging): the averaged model and its update count.
+    averaged_model_spec: ModelSpec | None = None
+    averaged_count: int = 0
 
 
 def _to_json(value: Any, level: int = 0) -> str:

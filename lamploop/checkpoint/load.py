@@ -21,6 +21,7 @@ from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
     _CHUNK,
+    AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
     FORMAT_VERSION,
@@ -349,8 +350,16 @@ def _load_directory(
         except (ValueError, TypeError, RuntimeError) as e:
             msg = f"{directory / RNG_FILE}: cannot restore the RNG states: {e}"
             raise CheckpointError(msg) from e
+    averaged: dict[str, torch.Tensor] = {}
+    if descriptor.averaged_model_spec is not None:
+        averaged = _read_tensors(directory, descriptor, AVERAGED_MODEL_FILE, descriptor.averaged_model_spec)
     state = LoopStateWithModelAndOptimizerData(
-        loop_state=descriptor.loop_state, model=model_tensors, optimizer=optimizer, best_model=best_tensors
+        loop_state=descriptor.loop_state,
+        model=model_tensors,
+        optimizer=optimizer,
+        best_model=best_tensors,
+        averaged_model=averaged,
+        averaged_count=descriptor.averaged_count,
     )
     rank_rngs = tuple(
         _rng_from_disk(record, _load_file(directory, descriptor, rank_rng_file(rank)))

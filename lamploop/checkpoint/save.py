@@ -27,6 +27,7 @@ from lamploop.checkpoint.files import (
     _write_tensors,
 )
 from lamploop.checkpoint.format import (
+    AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
     FORMAT_VERSION,
@@ -143,6 +144,7 @@ class _Contents:
 
     model: dict[str, torch.Tensor]
     best_model: dict[str, torch.Tensor]
+    averaged_model: dict[str, torch.Tensor]
     optimizer_json: Any
     optimizer_tensors: dict[str, torch.Tensor]
     schedule_json: Any
@@ -176,6 +178,7 @@ class _Contents:
         return cls(
             model=_cpu_tensors(state.model, "model state dict"),
             best_model=_cpu_tensors(state.best_model, "best model state dict"),
+            averaged_model=_cpu_tensors(state.averaged_model, "averaged model state dict"),
             optimizer_json=optimizer_json,
             optimizer_tensors=_cpu_tensors(raw_optimizer_tensors, "optimizer state"),
             schedule_json=schedule_json,
@@ -200,6 +203,10 @@ class _Contents:
                 directory / OPTIMIZER_FILE, self.optimizer_tensors, "optimizer state"
             ),
         }
+        if self.averaged_model:
+            files[AVERAGED_MODEL_FILE] = _write_tensors(
+                directory / AVERAGED_MODEL_FILE, self.averaged_model, "averaged model state dict"
+            )
         for rank, (_, tensors) in enumerate(self.rngs):
             file = RNG_FILE if rank == 0 else rank_rng_file(rank)
             files[file] = _write_tensors(directory / file, tensors, f"rank {rank}'s RNG states")
@@ -219,6 +226,8 @@ class _Contents:
             position=position,
             rank_rngs=[record for record, _ in self.rngs[1:]],
             sequence=sequence,
+            averaged_model_spec=model_spec(self.averaged_model) if self.averaged_model else None,
+            averaged_count=state.averaged_count,
         )
         with open(directory / DESCRIPTOR_NAME, "w", encoding="utf-8") as f:
             f.write(_to_json(converter.unstructure(descriptor)) + "\n")

@@ -31,7 +31,8 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from lamploop.batches import BatchStreamFactory
+from lamploop.averaging import Averaging, install_average
+from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint import RngStates, restore_optimizer_state
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition, StopRequest
@@ -115,12 +116,14 @@ class _RootEpochs:
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
-        optimizer = self.replica.optimizer
+        optimizer, average = self.replica.optimizer, self.replica.average
         return LoopStateWithModelAndOptimizerData(
             loop_state=state,
             model=unwrapped(self.replica.model.module).state_dict(),
             optimizer=optimizer.state_dict() if optimizer is not None else {},
             best_model=self.best,
+            averaged_model=average.state_dict() if average is not None and average.count else {},
+            averaged_count=average.count if average is not None else 0,
         )
 
     async def save_position(self, position: EpochPosition, rngs: Sequence[RngStates]) -> None:
@@ -239,6 +242,7 @@ async def drive_distributed_training(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     checkpoint_position: CheckpointPosition | None = None,
@@ -287,6 +291,9 @@ async def drive_distributed_training(
         step_schedule: a per-step learning-rate factor (warm-up, cosine...), multiplied
             with the epoch schedule's (see :mod:`lamploop.step_schedules`); must equal the
             followers'.
+        averaging: keep an EMA (``lamploop.averaging.ema``) or SWA (``swa``) of the weights
+            on the root, in checkpoints too; the model ends holding it instead of the best
+            validation epoch's.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is
@@ -360,6 +367,8 @@ async def drive_distributed_training(
             replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state
         )
         roots.append(root)
+        if replica.average is not None and init_state is not None and init_state.averaged_count:
+            replica.average.load(init_state.averaged_model, init_state.averaged_count)
         # On failure no Stop is sent: leaving the control channel without it aborts the
         # followers with the root's reason instead of ending them as if all went well.
         try:
@@ -370,6 +379,10 @@ async def drive_distributed_training(
             await root.tell(Stop(reason=str(stopped)))
             raise
         await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
-    if root.best:
+    if replica.average is not None and replica.average.count:
+        # The run's result is the average (for SWA with its BatchNorm statistics refreshed).
+        last = BatchContext(epoch=max(state.epoch - 1, 0), rank=0, nranks=1)
+        await install_average(replica.average, train_batches(last), torch_device)
+    elif root.best:
         unwrapped(module).load_state_dict(root.best)
     return state

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
+from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
@@ -81,6 +82,7 @@ async def local_data_parallel_training_loop(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
 ) -> LoopState:
@@ -144,6 +146,7 @@ async def local_data_parallel_training_loop(
                     validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
                     model_selection_metric=settings.model_selection_metric,
                     model_selection_mode=model_selection_mode,
+                    averaging=averaging,
                     **step,
                 )
             )

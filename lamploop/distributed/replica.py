@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import torch
 
+from lamploop.averaging import WeightAverage
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint import RngStates
 from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequest
@@ -82,10 +83,13 @@ class Replica:
     boundary: RankBoundary | None = None
     resume_at: EpochPosition | None = None
     loss_scale: LossScale | None = attrs.field(factory=lambda: None)
+    average: WeightAverage | None = attrs.field(factory=lambda: None)
 
     def __attrs_post_init__(self) -> None:
         if self.settings.precision == "fp16":
             self.loss_scale = LossScale()  # one per run: the scale carries over epochs
+        if self.settings.averaging is not None and self.channel.rank == 0 and self.optimizer is not None:
+            self.average = WeightAverage(self.settings.averaging, self.model.module)
 
     def _context(self, epoch: int) -> BatchContext:
         return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)
@@ -102,13 +106,15 @@ class Replica:
         if self.optimizer is not None:
             set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
             step = self.optimizer.step
+            if self.average is not None:
+                step = _averaged(step, self.average)
         start = None
         if self.resume_at is not None and self.resume_at.epoch == epoch:
             start = self.resume_at.start_of(self.channel.rank)
         self.resume_at = None
         if self.boundary is not None:
             self.boundary.epoch, self.boundary.lr_factor = epoch, lr_factor
-        return await self._run(
+        loss = await self._run(
             self.train_batches,
             epoch,
             step_optimizer=step,
@@ -121,6 +127,9 @@ class Replica:
             start=start,
             boundary=self.boundary,
         )
+        if self.average is not None:
+            self.average.after_epoch(epoch)
+        return loss
 
     def _step_learning_rates(self, epoch: int, lr_factor: float) -> Callable[[int], None] | None:
         """Sets each step's learning rates: base * epoch factor * step factor (with a step schedule)."""
@@ -153,6 +162,14 @@ class Replica:
             return loss
 
         return await self.run_epoch(one_pass)
+
+
+def _averaged(step: Callable[[], object], average: WeightAverage) -> Callable[[], None]:
+    def step_and_average() -> None:
+        step()
+        average.after_step()
+
+    return step_and_average
 
 
 @attrs.frozen(kw_only=True)

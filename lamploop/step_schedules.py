@@ -45,45 +45,41 @@ def _global(epoch: int, step: int, steps_per_epoch: int) -> int:
     return epoch * steps_per_epoch + step
 
 
-def _ramp(t: int, warmup_steps: int) -> float | None:
-    """Linear warm-up: ``(t + 1) / warmup_steps`` during it, else ``None``."""
-    return (t + 1) / warmup_steps if t < warmup_steps else None
+@attrs.frozen
+class _WarmupThenDecay:
+    """Linear warm-up over ``warmup_steps``, then :meth:`decay` from 1 to ``final`` at ``total_steps``."""
+
+    warmup_steps: int
+    total_steps: int
+    steps_per_epoch: int
+    final: float = 0.0
+
+    def factor(self, epoch: int, step: int) -> float:
+        t = _global(epoch, step, self.steps_per_epoch)
+        if t < self.warmup_steps:
+            return (t + 1) / self.warmup_steps
+        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.final + (1.0 - self.final) * self.decay(progress)
+
+    def decay(self, progress: float) -> float:
+        """From 1 at progress 0 to 0 at progress 1."""
+        raise NotImplementedError
 
 
 @attrs.frozen
-class WarmupCosine:
+class WarmupCosine(_WarmupThenDecay):
     """Linear warm-up, then a half cosine from 1 down to ``final`` at ``total_steps`` (and after)."""
 
-    warmup_steps: int
-    total_steps: int
-    steps_per_epoch: int
-    final: float = 0.0
-
-    def factor(self, epoch: int, step: int) -> float:
-        t = _global(epoch, step, self.steps_per_epoch)
-        ramp = _ramp(t, self.warmup_steps)
-        if ramp is not None:
-            return ramp
-        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.final + (1.0 - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    def decay(self, progress: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @attrs.frozen
-class WarmupLinear:
+class WarmupLinear(_WarmupThenDecay):
     """Linear warm-up, then a straight line from 1 down to ``final`` at ``total_steps`` (and after)."""
 
-    warmup_steps: int
-    total_steps: int
-    steps_per_epoch: int
-    final: float = 0.0
-
-    def factor(self, epoch: int, step: int) -> float:
-        t = _global(epoch, step, self.steps_per_epoch)
-        ramp = _ramp(t, self.warmup_steps)
-        if ramp is not None:
-            return ramp
-        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return 1.0 + (self.final - 1.0) * progress
+    def decay(self, progress: float) -> float:
+        return 1.0 - progress
 
 
 def _checked(warmup_steps: int, total_steps: int, steps_per_epoch: int, final: float, name: str) -> None:

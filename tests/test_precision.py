@@ -7,6 +7,7 @@ accuracy in float32; bf16 and fp16 must reach it within one point.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -14,8 +15,9 @@ import torch
 from sklearn.datasets import load_digits
 
 import lamploop
+from lamploop.checkpoint import load_checkpoint
 from lamploop.errors import ConfigurationError
-from lamploop.loop.precision import LossScale
+from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
 from lamploop.metrics import accuracy
 
 EPOCHS = 6
@@ -138,3 +140,29 @@ def test_an_unknown_precision_is_refused() -> None:
         ConfigurationError, match=r"precision must be one of \('32', 'bf16', 'fp16'\), got 'fp8'"
     ):
         lamploop.settings.TrainingSettings(precision="fp8")  # type: ignore[arg-type]
+
+
+def test_the_fp16_loss_scale_is_checkpointed_and_a_resume_ends_alike(tmp_path: Path) -> None:
+    (x, y), _ = _digits()
+
+    def run(max_epochs: int, checkpoint_dir: Path | None) -> torch.nn.Module:
+        module = _module()
+        lamploop.fit(
+            model=lamploop.SupervisedModel(module),
+            optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3),
+            train_batches=lamploop.tensor_batches(x[:320], y[:320], batch_size=32),
+            max_epochs=max_epochs,
+            precision="fp16",
+            checkpoint_dir=checkpoint_dir,
+            reporters=[],
+        )
+        return module
+
+    straight = run(3, None)
+    run(1, tmp_path)
+    saved = load_checkpoint(tmp_path).state.optimizer[LOSS_SCALE_KEY]
+    assert saved == {"scale": 2.0**16, "good_steps": 10, "skipped_steps": 0}
+    resumed = run(3, tmp_path)
+    assert load_checkpoint(tmp_path).state.optimizer[LOSS_SCALE_KEY]["good_steps"] == 30
+    for name, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name

@@ -42,7 +42,7 @@ from lamploop.errors import ConfigurationError, DistributedError, TrainingInterr
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
-from lamploop.loop.precision import Precision
+from lamploop.loop.precision import Precision, loss_scale_in, with_loss_scale
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
@@ -120,7 +120,7 @@ class _RootEpochs:
         return LoopStateWithModelAndOptimizerData(
             loop_state=state,
             model=unwrapped(self.replica.model.module).state_dict(),
-            optimizer=optimizer.state_dict() if optimizer is not None else {},
+            optimizer=with_loss_scale(optimizer.state_dict(), self.replica.loss_scale) if optimizer else {},
             best_model=self.best,
             averaged_model=average.state_dict() if average is not None and average.count else {},
             averaged_count=average.count if average is not None else 0,
@@ -356,6 +356,9 @@ async def drive_distributed_training(
         stop=stop if stop is not None else StopRequest(),
         save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
+        loss_scale=loss_scale_in(init_state.optimizer)
+        if init_state is not None and settings.precision == "fp16"
+        else None,
     )
     schedule_state = (
         learning_rate_schedule_init_state

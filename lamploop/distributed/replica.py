@@ -31,6 +31,7 @@ from lamploop.step_schedules import check_step_factor
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.group_channel import ProcessGroupChannel
+from lamploop.sync.strategy import SyncStrategy
 
 __all__ = ["Replica", "learning_rates", "open_replica", "set_learning_rate_factor"]
 
@@ -86,7 +87,9 @@ class Replica:
     average: WeightAverage | None = attrs.field(factory=lambda: None)
 
     def __attrs_post_init__(self) -> None:
-        if self.settings.precision == "fp16":
+        if self.settings.precision != "fp16":
+            self.loss_scale = None
+        elif self.loss_scale is None:
             self.loss_scale = LossScale()  # one per run: the scale carries over epochs
         if self.settings.averaging is not None and self.channel.rank == 0 and self.optimizer is not None:
             self.average = WeightAverage(self.settings.averaging, self.model.module)
@@ -198,6 +201,7 @@ class RankPlan:
     stop: StopRequest = attrs.field(factory=StopRequest)
     save: SavePosition | None = None
     resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
+    loss_scale: LossScale | None = None
 
     def replica(
         self,
@@ -206,6 +210,7 @@ class RankPlan:
         runner: EpochRunner,
         boundary: RankBoundary,
         resume_at: EpochPosition | None,
+        loss_scale: LossScale | None,
     ) -> Replica:
         """The replica of this plan on ``channel``."""
         return Replica(
@@ -220,7 +225,20 @@ class RankPlan:
             run_epoch=runner,
             boundary=boundary,
             resume_at=resume_at,
+            loss_scale=loss_scale,
         )
+
+
+def _share_loss_scale(collectives: Collectives, strategy: SyncStrategy, scale: LossScale) -> None:
+    """fp16: every rank starts from the root's loss scale (a resumed run's is in its checkpoint)."""
+    if not strategy.steps_on_every_rank:
+        msg = (
+            f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
+            f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
+        )
+        raise ConfigurationError(msg)
+    state = collectives.broadcast_json(scale.to_json() if collectives.rank == 0 else None, "fp16 loss scale")
+    scale.load_json(state)
 
 
 def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) -> RankBoundary:
@@ -252,9 +270,12 @@ async def open_replica(
             if rngs:
                 rngs[0].restore()
         boundary = _boundary(plan, None, plan.save is not None)
-        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at)
+        yield plan.replica(
+            SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.loss_scale
+        )
         return
     store, root_host = await connect()
+    scale = (plan.loss_scale or LossScale()) if settings.precision == "fp16" else None
 
     def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool]:
         group = new_process_group(
@@ -277,12 +298,8 @@ async def open_replica(
         try:
             module = plan.model.module
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
-            if settings.precision == "fp16" and not strategy.steps_on_every_rank:
-                msg = (
-                    f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
-                    f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
-                )
-                raise ConfigurationError(msg)
+            if scale is not None:
+                _share_loss_scale(collectives, strategy, scale)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
         except BaseException:
@@ -295,7 +312,7 @@ async def open_replica(
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
-        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at)
+        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, scale)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

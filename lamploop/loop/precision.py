@@ -18,14 +18,27 @@ own precision.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Final, Literal, TypeAlias
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, Literal, TypeAlias
 
 import torch
 
 from lamploop.errors import ConfigurationError
 
-__all__ = ["PRECISIONS", "LossScale", "Precision", "autocast", "check_precision", "unscale_and_check"]
+__all__ = [
+    "LOSS_SCALE_KEY",
+    "PRECISIONS",
+    "LossScale",
+    "Precision",
+    "autocast",
+    "check_precision",
+    "loss_scale_in",
+    "unscale_and_check",
+    "with_loss_scale",
+]
+
+LOSS_SCALE_KEY: Final = "lamploop_loss_scale"
+"""Where a checkpoint's optimizer state keeps the fp16 loss scale (``load_state_dict`` ignores it)."""
 
 Precision: TypeAlias = Literal["32", "bf16", "fp16"]
 PRECISIONS: Final = ("32", "bf16", "fp16")
@@ -74,6 +87,15 @@ class LossScale:
             growth_interval,
         )
 
+    def to_json(self) -> dict[str, float | int]:
+        """The scale's state, JSON-ready (for checkpoints and for the other ranks)."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_json(self, state: Any) -> None:
+        """Go on from :meth:`to_json`'s state."""
+        self.scale = float(state["scale"])
+        self.good_steps, self.skipped_steps = int(state["good_steps"]), int(state["skipped_steps"])
+
     def update(self, *, found_inf: bool) -> None:
         """After a step: back off on an overflow, grow after ``growth_interval`` good steps."""
         if found_inf:
@@ -95,3 +117,18 @@ def unscale_and_check(parameters: Sequence[torch.nn.Parameter], scale: float) ->
     torch._foreach_mul_(grads, 1.0 / scale)
     finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
     return not bool(finite)
+
+
+def with_loss_scale(optimizer_state: dict[str, Any], scale: LossScale | None) -> dict[str, Any]:
+    """The optimizer's state with fp16's loss scale beside it (:data:`LOSS_SCALE_KEY`), for checkpoints."""
+    return optimizer_state if scale is None else {**optimizer_state, LOSS_SCALE_KEY: scale.to_json()}
+
+
+def loss_scale_in(optimizer_state: Mapping[str, Any]) -> LossScale | None:
+    """The loss scale a checkpoint's optimizer state kept (see :func:`with_loss_scale`), if any."""
+    saved = optimizer_state.get(LOSS_SCALE_KEY)
+    if saved is None:
+        return None
+    scale = LossScale()
+    scale.load_json(saved)
+    return scale

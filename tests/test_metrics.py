@@ -157,3 +157,55 @@ def test_a_curve_without_metrics_is_written_as_before() -> None:
     assert converter.unstructure(entry) == {"epoch": 2, "training_loss": 0.5, "validation_loss": (0.4, 0.3)}
     with_metrics = LearningCurveEntry(2, 0.5, None, {"accuracy": 0.9}, {})
     assert converter.structure(converter.unstructure(with_metrics), LearningCurveEntry) == with_metrics
+
+
+class _StopAt:
+    """A step boundary that stops the pass after step ``at`` and keeps where it was."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.progress = at, None
+
+    def requests(self, steps_done: int) -> tuple[bool, bool]:
+        return False, steps_done + 1 == self.at
+
+    async def reached(self, progress: Any, *, stop: bool) -> None:
+        self.progress = progress
+
+
+async def test_a_pass_resumed_mid_epoch_ends_with_the_whole_epochs_metrics() -> None:
+    batches = worker.train_batches_of(DATA, 0, 0)
+
+    async def run(start: Any = None, boundary: Any = None) -> Any:
+        module = worker.make_module({"seed": 6}, 0)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.0)  # same parameters all along
+
+        async def stream() -> Any:
+            for batch in batches:
+                yield batch
+
+        return await lamploop.one_epoch(
+            model=lamploop.SupervisedModel(module, metrics=METRICS),
+            batches=stream(),
+            step_optimizer=optimizer.step,
+            start=start,
+            boundary=boundary,
+        )
+
+    whole = await run()
+    stop = _StopAt(2)
+    with pytest.raises(lamploop.loop.boundary.EpochStopped):
+        await run(boundary=stop)
+    assert stop.progress is not None
+    assert len(stop.progress.metric_sums) == 4  # [sum, count] of each of the 2 metrics
+    resumed = await run(start=stop.progress)
+    assert float(resumed) == pytest.approx(float(whole), rel=1e-12)
+    for name in METRICS:
+        assert resumed.metrics[name] == pytest.approx(whole.metrics[name], rel=1e-12)
+    one_metric = lamploop.SupervisedModel(worker.make_module({"seed": 6}, 0), metrics={"accuracy": accuracy})
+    with pytest.raises(ConfigurationError, match="resumes with the sums of 2 metrics, but the model has 1"):
+        await lamploop.one_epoch(
+            model=one_metric,
+            batches=worker.stream_factory(lambda e, r: batches)(lamploop.BatchContext(epoch=0)),
+            step_optimizer=lambda: None,
+            start=stop.progress,
+        )

@@ -136,6 +136,7 @@ class RankBoundary:
     async def reached(self, progress: StepProgress, *, stop: bool) -> None:
         mine: dict[str, Any] = {
             "progress": [progress.loss_sum, progress.example_count],
+            "metrics": list(progress.metric_sums),
             "rng": rng_to_json(RngStates.capture()),
         }
         everyone = self._gather(mine, "step boundary")
@@ -149,5 +150,6 @@ class RankBoundary:
             last_step_examples=progress.last_step_examples,
             loss_sums=tuple(float(rank["progress"][0]) for rank in everyone),
             example_counts=tuple(int(rank["progress"][1]) for rank in everyone),
+            metric_sums=tuple(tuple(float(v) for v in rank["metrics"]) for rank in everyone),
         )
         await self._save(position, [rng_from_json(rank["rng"]) for rank in everyone])

@@ -132,5 +132,6 @@ def share_resume_point(
         last_step_examples=int(raw["last_step_examples"]),
         loss_sums=tuple(float(v) for v in raw["loss_sums"]),
         example_counts=tuple(int(v) for v in raw["example_counts"]),
+        metric_sums=tuple(tuple(float(v) for v in sums) for sums in raw.get("metric_sums", ())),
     )
     return position, bool(shared["keep_rngs"])

@@ -31,16 +31,19 @@ class EpochStart:
         loss_sum: this rank's running sum of training losses so far (float64).
         example_count: this rank's examples so far.
         last_step_examples: the global example count of the last step done.
+        metric_sums: this rank's metric ``[sum, count]`` pairs so far, flattened (see
+            :class:`~lamploop.loop.metric_sums.MetricSums`); empty without metrics.
     """
 
     steps_done: int = 0
     loss_sum: float = 0.0
     example_count: int = 0
     last_step_examples: int = 0
+    metric_sums: tuple[float, ...] = ()
 
 
 StepProgress = EpochStart
-"""What a rank has done at a boundary: the same four numbers a resumed pass starts from."""
+"""What a rank has done at a boundary: the same numbers a resumed pass starts from."""
 
 
 @attrs.frozen
@@ -54,6 +57,7 @@ class EpochPosition:
         last_step_examples: the global example count of the last step done.
         loss_sums: per rank, the running sum of the epoch's training losses so far.
         example_counts: per rank, the examples trained on so far in the epoch.
+        metric_sums: per rank, its metric sums so far (empty without metrics).
     """
 
     epoch: int
@@ -62,6 +66,7 @@ class EpochPosition:
     last_step_examples: int
     loss_sums: tuple[float, ...]
     example_counts: tuple[int, ...]
+    metric_sums: tuple[tuple[float, ...], ...] = ()
 
     def start_of(self, rank: int) -> EpochStart:
         """Where rank ``rank``'s resumed pass starts."""
@@ -70,6 +75,7 @@ class EpochPosition:
             loss_sum=self.loss_sums[rank],
             example_count=self.example_counts[rank],
             last_step_examples=self.last_step_examples,
+            metric_sums=self.metric_sums[rank] if self.metric_sums else (),
         )
 
 

@@ -135,7 +135,7 @@ async def one_epoch(
         check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
     target_device = torch.device(device) if device is not None else None
-    metrics = MetricSums(list(model.metrics))
+    metrics = MetricSums(list(model.metrics), () if start is None or forward_only else start.metric_sums)
     forward_of = Forward(model, precision, target_device or device_of(model.module))
     if forward_only:
         total, count, metric_totals = await _forward_pass(
@@ -353,6 +353,7 @@ class _TrainingPass:
             loss_sum=self._loss_sum(),
             example_count=self.count,
             last_step_examples=self.previous_global_count,
+            metric_sums=tuple(self.metrics.totals()) if self.metrics else (),
         )
         await self.boundary.reached(progress, stop=stop)
         if stop:

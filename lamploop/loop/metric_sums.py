@@ -6,14 +6,26 @@ from collections.abc import Sequence
 
 import torch
 
+from lamploop.errors import ConfigurationError
+
 __all__ = ["MetricSums"]
 
 
 class MetricSums:
-    """The per-batch ``(sum, count)`` of each named metric, batch positions as in the pass's losses."""
+    """The per-batch ``(sum, count)`` of each named metric, batch positions as in the pass's losses.
 
-    def __init__(self, names: Sequence[str]) -> None:
+    ``start``: the totals a pass resumed at a step boundary had before it (see :meth:`totals`).
+    """
+
+    def __init__(self, names: Sequence[str], start: Sequence[float] = ()) -> None:
         self.names = tuple(names)
+        if start and len(start) != 2 * len(self.names):
+            msg = (
+                f"the pass resumes with the sums of {len(start) // 2} metrics, but the model has "
+                f"{len(self.names)} ({list(self.names)}): resume with the metrics it was saved with"
+            )
+            raise ConfigurationError(msg)
+        self._start = list(start) if start else [0.0] * (2 * len(self.names))
         self._sums: list[list[torch.Tensor]] = [[] for _ in self.names]
         self._counts: list[list[int]] = [[] for _ in self.names]
 
@@ -37,7 +49,7 @@ class MetricSums:
         out: list[float] = []
         for sums, counts in zip(self._sums, self._counts, strict=True):
             out += [float(torch.stack(sums).sum()) if sums else 0.0, float(sum(counts))]
-        return out
+        return [begun + now for begun, now in zip(self._start, out, strict=True)]
 
     def means(self, reduced: Sequence[float]) -> dict[str, float]:
         """Each metric's mean from :meth:`totals` summed over the ranks (metrics nobody counted left out)."""

@@ -180,6 +180,7 @@ async def fit_async(
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
+    early_stopping_patience: int | None = None,
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -229,6 +230,8 @@ async def fit_async(
         model_selection_metric, model_selection_mode: pick the best model by the smoothed
             validation metric of that name (``"min"`` or ``"max"``), not the validation loss;
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).
+        early_stopping_patience: stop once this many validations in a row bring no new
+            best model (judged as ``model_selection_*`` says); ``None``: never.
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from

@@ -205,6 +205,7 @@ class TrainingSettings:
         averaging: keep an EMA or SWA of the weights on the root (see :mod:`lamploop.averaging`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
+        early_stopping_patience: stop after this many validations without a new best.
 
     Raises:
         ConfigurationError: a value is out of range; the message names the argument.
@@ -228,6 +229,7 @@ class TrainingSettings:
     averaging: Averaging | None = attrs.field(default=None, validator=_averaging)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
+    early_stopping_patience: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         from lamploop.loop.selection import ModelSelection  # loop imports settings' constants

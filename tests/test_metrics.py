@@ -209,3 +209,56 @@ async def test_a_pass_resumed_mid_epoch_ends_with_the_whole_epochs_metrics() -> 
             step_optimizer=lambda: None,
             start=stop.progress,
         )
+
+
+async def test_early_stopping_by_a_metric_stops_after_patience_validations_without_a_new_best() -> None:
+    accuracies = [0.5, 0.8, 0.7, 0.75, 0.79, 0.95, 0.6]
+    epoch = iter(range(len(accuracies)))
+    current = [0]
+
+    async def train(factor: float) -> float:
+        current[0] = next(epoch)
+        return 1.0
+
+    async def valid() -> float:
+        return PassResult(1.0, {"accuracy": accuracies[current[0]]})
+
+    async def save() -> None:
+        pass
+
+    async def run(patience: int, init_state: Any = None, max_epochs: int = len(accuracies)) -> Any:
+        return await lamploop.epochs(
+            max_epochs=max_epochs,
+            train_epoch=train,
+            validation_epoch=valid,
+            save_min_validation_loss_model=save,
+            return_min_validation_loss_model=lamploop.ALL_EPOCHS,
+            model_selection_metric="accuracy",
+            model_selection_mode="max",
+            early_stopping_patience=patience,
+            init_state=init_state,
+        )
+
+    state = await run(3)  # best at epoch 1, then 0.7, 0.75, 0.79: three without a new best
+    assert (state.epoch, state.min_validation_epoch) == (5, 1)
+    epoch = iter(range(len(accuracies)))
+    state = await run(4)  # one more chance: epoch 5 (0.95) is a new best, then 0.6
+    assert (state.epoch, state.min_validation_epoch) == (7, 5)
+    # resuming needs nothing more: the count comes from the learning curve
+    epoch = iter(range(len(accuracies)))
+    half = await run(3, max_epochs=4)
+    assert half.epoch == 4
+    epoch = iter(range(4, len(accuracies)))
+    assert (await run(3, init_state=half)).epoch == 5
+
+
+def test_the_logging_reporter_reports_the_metrics() -> None:
+    from lamploop.reporting import EpochFinished
+    from lamploop.reporting.logging_reporter import describe_epoch
+
+    entry = LearningCurveEntry(2, 0.5, (0.4, 0.3), {"accuracy": 0.91}, {"accuracy": (0.87, 0.88)})
+    line = describe_epoch(EpochFinished(lamploop.LoopState(epoch=3, learning_curve=(entry,))))
+    assert line == (
+        "epoch 2: train loss 0.5000, validation loss 0.3000 (smoothed 0.4000), "
+        "train accuracy 0.9100, validation accuracy 0.8800 (smoothed 0.8700)"
+    )

@@ -146,6 +146,7 @@ class _RootEpochs:
             validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
             model_selection_metric=settings.model_selection_metric,
             model_selection_mode=settings.model_selection_mode,  # type: ignore[arg-type]
+            early_stopping_patience=settings.early_stopping_patience,
         )
 
     async def tell(self, command: Train | Valid | Stop) -> None:
@@ -245,6 +246,7 @@ async def drive_distributed_training(
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
+    early_stopping_patience: int | None = None,
     checkpoint_position: CheckpointPosition | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
@@ -286,6 +288,7 @@ async def drive_distributed_training(
             L2 norm (``None``: no clipping); must equal the followers'.
         model_selection_metric, model_selection_mode: pick the best model by a validation
             metric instead of the loss (see :func:`lamploop.epochs`).
+        early_stopping_patience: stop after this many validations without a new best model.
         precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss
             scale, and only with ``all_reduce``); must equal the followers'.
         step_schedule: a per-step learning-rate factor (warm-up, cosine...), multiplied

@@ -85,6 +85,7 @@ async def local_data_parallel_training_loop(
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
+    early_stopping_patience: int | None = None,
 ) -> LoopState:
     """Data-parallel training in one process: one replica per device, one thread each.
 
@@ -146,6 +147,7 @@ async def local_data_parallel_training_loop(
                     validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
                     model_selection_metric=settings.model_selection_metric,
                     model_selection_mode=model_selection_mode,
+                    early_stopping_patience=settings.early_stopping_patience,
                     averaging=averaging,
                     **step,
                 )

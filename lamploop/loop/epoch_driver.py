@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 import attrs
 
 from lamploop.errors import ConfigurationError, NonFiniteLossError
-from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics
+from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import check_int, check_smoothing
@@ -119,6 +119,7 @@ async def epochs(
     validation_loss_exponential_smoothing_factor: float = 1.0,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
+    early_stopping_patience: int | None = None,
 ) -> LoopState:
     """Run epochs until ``max_epochs`` or until the schedule's factor is <= 0.
 
@@ -151,6 +152,8 @@ async def epochs(
             smoothed validation metric of that name (see :mod:`lamploop.metrics`), the
             smallest (``"min"``) or the largest (``"max"``); ``None`` (default): by the
             smoothed validation loss.  The best value is in ``min_validation_loss``.
+        early_stopping_patience: stop once this many validations in a row have not
+            improved on the best one (as ``model_selection_*`` judges); ``None``: never.
 
     Returns:
         The final ``LoopState``; its ``epoch`` is the number of epochs run in all.
@@ -164,6 +167,8 @@ async def epochs(
     a = validation_loss_exponential_smoothing_factor
     _validate(max_epochs, validation_frequency, a, schedule, validation_epoch is not None, init_state)
     selection = ModelSelection(model_selection_metric, model_selection_mode)
+    if early_stopping_patience is not None:
+        check_int("epochs: early_stopping_patience", early_stopping_patience, 1)
     state = init_state if init_state is not None else LoopState()
     schedule_state: S = (
         learning_rate_schedule_init_state
@@ -177,6 +182,8 @@ async def epochs(
         )
         _check_factor(factor, schedule, epoch)
         if epoch >= max_epochs or factor <= 0:
+            return state
+        if early_stopping_patience is not None and validations_since_best(state) >= early_stopping_patience:
             return state
         trained = await train_epoch(factor)
         training_loss = _finite(trained, "training loss", epoch)

@@ -13,9 +13,9 @@ from typing import Literal, TypeAlias
 import attrs
 
 from lamploop.errors import ConfigurationError
-from lamploop.state import LearningCurveEntry
+from lamploop.state import LearningCurveEntry, LoopState
 
-__all__ = ["ModelSelection", "SelectionMode", "smoothed_metrics"]
+__all__ = ["ModelSelection", "SelectionMode", "smoothed_metrics", "validations_since_best"]
 
 SelectionMode: TypeAlias = Literal["min", "max"]
 
@@ -64,6 +64,20 @@ class ModelSelection:
         if best is None:
             return True
         return value < best if self.mode == "min" else value > best
+
+
+def validations_since_best(state: LoopState) -> int:
+    """How many validations came after the best epoch (0 while no epoch is the best yet).
+
+    A pure function of the state, so early stopping needs nothing more in checkpoints.
+    """
+    if state.min_validation_epoch is None:
+        return 0
+    return sum(
+        1
+        for entry in state.learning_curve
+        if entry.epoch > state.min_validation_epoch and entry.validation_loss is not None
+    )
 
 
 def smoothed_metrics(

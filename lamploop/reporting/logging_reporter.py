@@ -10,12 +10,19 @@ __all__ = ["LoggingReporter", "describe_epoch"]
 
 
 def describe_epoch(event: EpochFinished) -> str:
-    """``epoch 3: train loss 0.1234, validation loss 0.2345 (smoothed 0.2400)``."""
+    """``epoch 3: train loss 0.1234, validation loss 0.2345 (smoothed 0.2400)``, then the metrics.
+
+    With metrics: ``..., train accuracy 0.9100, validation accuracy 0.8800 (smoothed 0.8700)``.
+    """
     entry = event.state.learning_curve[-1]
     text = f"epoch {entry.epoch}: train loss {entry.training_loss:.4f}"
     if entry.validation_loss is not None:
         smoothed, raw = entry.validation_loss
         text += f", validation loss {raw:.4f} (smoothed {smoothed:.4f})"
+    for name, value in entry.training_metrics.items():
+        text += f", train {name} {value:.4f}"
+    for name, (smoothed, raw) in entry.validation_metrics.items():
+        text += f", validation {name} {raw:.4f} (smoothed {smoothed:.4f})"
     return text
 
 

@@ -60,6 +60,7 @@ from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
 from lamploop.stopping import blocking, stop_on_signals, stop_request
+from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["fit", "fit_async"]
 
@@ -177,6 +178,8 @@ async def fit_async(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    lr_scheduler: LrSchedulerFactory | None = None,
+    lr_scheduler_interval: SchedulerInterval = "epoch",
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
@@ -224,6 +227,10 @@ async def fit_async(
             fp16 with a dynamic loss scale (see :mod:`lamploop.loop.precision`).
         step_schedule: a per-step learning-rate factor (warm-up, cosine or linear decay),
             multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.step_schedules`).
+        lr_scheduler, lr_scheduler_interval: a factory ``optimizer -> torch.optim.lr_scheduler``
+            scheduler, stepped after every ``"step"`` or every ``"epoch"`` (default), written to
+            checkpoints; it replaces ``learning_rate_schedule`` and ``step_schedule`` (see
+            :mod:`lamploop.torch_schedulers`).
         averaging: ``lamploop.averaging.ema(decay)`` or ``swa(start_epoch)``: the weight
             average is checkpointed, and the model ends holding it (instead of the best
             validation epoch's model).

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 import attrs
 
 from lamploop.errors import ConfigurationError
-from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.schedules import LearningRateSchedule, Noop, noop
 
 if TYPE_CHECKING:
     from lamploop.averaging import Averaging
     from lamploop.loop.non_finite import NonFiniteLossPolicy
     from lamploop.loop.precision import Precision
     from lamploop.step_schedules import StepSchedule
+    from lamploop.torch_schedulers import LrSchedulerFactory
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -169,6 +170,21 @@ def _averaging(_: object, __: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigurationError(msg)
 
 
+def _lr_scheduler(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(value):
+        msg = (
+            "lr_scheduler must be a factory optimizer -> torch.optim.lr_scheduler scheduler "
+            f"(e.g. lambda optimizer: StepLR(optimizer, 10)), got {type(value).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
+def _interval(_: object, __: attrs.Attribute[str], value: str) -> None:
+    from lamploop.torch_schedulers import check_interval  # it imports errors only
+
+    check_interval(value)
+
+
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, Container):
         msg = (
@@ -203,6 +219,8 @@ class TrainingSettings:
         step_schedule: a per-step learning-rate factor, times the epoch schedule's
             (see :mod:`lamploop.step_schedules`).
         averaging: keep an EMA or SWA of the weights on the root (see :mod:`lamploop.averaging`).
+        lr_scheduler, lr_scheduler_interval: a ``torch.optim.lr_scheduler`` factory, stepped
+            per ``"epoch"`` or per ``"step"`` (see :mod:`lamploop.torch_schedulers`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
         early_stopping_patience: stop after this many validations without a new best.
@@ -227,6 +245,8 @@ class TrainingSettings:
     precision: Precision = attrs.field(default="32", validator=_precision)
     step_schedule: StepSchedule | None = attrs.field(default=None, validator=_step_schedule)
     averaging: Averaging | None = attrs.field(default=None, validator=_averaging)
+    lr_scheduler: LrSchedulerFactory | None = attrs.field(default=None, validator=_lr_scheduler)
+    lr_scheduler_interval: str = attrs.field(default="epoch", validator=_interval)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
     early_stopping_patience: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
@@ -235,6 +255,15 @@ class TrainingSettings:
         from lamploop.loop.selection import ModelSelection  # loop imports settings' constants
 
         ModelSelection(self.model_selection_metric, self.model_selection_mode)  # type: ignore[arg-type]
+        if self.lr_scheduler is not None and (
+            self.step_schedule is not None or not isinstance(self.learning_rate_schedule, Noop)
+        ):
+            msg = (
+                "lr_scheduler owns the learning rates: leave learning_rate_schedule at noop() and "
+                f"step_schedule at None (got {type(self.learning_rate_schedule).__name__} and "
+                f"{type(self.step_schedule).__name__})"
+            )
+            raise ConfigurationError(msg)
 
     EVERY_RANK: ClassVar[tuple[str, ...]] = (
         "accumulate_gradient_over_n_batches",
@@ -245,6 +274,8 @@ class TrainingSettings:
         "max_gradient_norm",
         "precision",
         "step_schedule",
+        "lr_scheduler",
+        "lr_scheduler_interval",
     )
     """The settings every rank must hold alike (followers take only these)."""
 

@@ -37,12 +37,18 @@ from lamploop.checkpoint import RngStates, restore_optimizer_state
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition, StopRequest
 from lamploop.distributed.process_group import create_store
-from lamploop.distributed.replica import RankPlan, Replica, learning_rates, open_replica
+from lamploop.distributed.replica import (
+    RankPlan,
+    Replica,
+    learning_rates,
+    open_replica,
+    saved_beside_optimizer,
+)
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
-from lamploop.loop.precision import Precision, loss_scale_in, with_loss_scale
+from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.schedules import LearningRateSchedule, noop
@@ -50,6 +56,7 @@ from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
 from lamploop.sync.collectives import AbortSignal
+from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
 
@@ -116,11 +123,11 @@ class _RootEpochs:
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
-        optimizer, average = self.replica.optimizer, self.replica.average
+        average = self.replica.average
         return LoopStateWithModelAndOptimizerData(
             loop_state=state,
             model=unwrapped(self.replica.model.module).state_dict(),
-            optimizer=with_loss_scale(optimizer.state_dict(), self.replica.loss_scale) if optimizer else {},
+            optimizer=self.replica.optimizer_state(),
             best_model=self.best,
             averaged_model=average.state_dict() if average is not None and average.count else {},
             averaged_count=average.count if average is not None else 0,
@@ -243,6 +250,8 @@ async def drive_distributed_training(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    lr_scheduler: LrSchedulerFactory | None = None,
+    lr_scheduler_interval: SchedulerInterval = "epoch",
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
@@ -294,6 +303,9 @@ async def drive_distributed_training(
         step_schedule: a per-step learning-rate factor (warm-up, cosine...), multiplied
             with the epoch schedule's (see :mod:`lamploop.step_schedules`); must equal the
             followers'.
+        lr_scheduler, lr_scheduler_interval: a ``torch.optim.lr_scheduler`` factory, stepped
+            after every ``"step"`` or ``"epoch"``, checkpointed (see
+            :mod:`lamploop.torch_schedulers`); must equal the followers'.
         averaging: keep an EMA (``lamploop.averaging.ema``) or SWA (``swa``) of the weights
             on the root, in checkpoints too; the model ends holding it instead of the best
             validation epoch's.
@@ -359,9 +371,7 @@ async def drive_distributed_training(
         stop=stop if stop is not None else StopRequest(),
         save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
-        loss_scale=loss_scale_in(init_state.optimizer)
-        if init_state is not None and settings.precision == "fp16"
-        else None,
+        saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},
     )
     schedule_state = (
         learning_rate_schedule_init_state

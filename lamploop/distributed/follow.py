@@ -23,6 +23,7 @@ from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_
 from lamploop.step_schedules import StepSchedule
 from lamploop.sync.collectives import AbortSignal
 from lamploop.sync.strategy import AUTO, strategy_named
+from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["follow_distributed_training"]
 
@@ -46,6 +47,8 @@ async def follow_distributed_training(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    lr_scheduler: LrSchedulerFactory | None = None,
+    lr_scheduler_interval: SchedulerInterval = "epoch",
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -60,8 +63,8 @@ async def follow_distributed_training(
             ``BatchContext(epoch, rank, nranks)``.
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
-        strategy, on_non_finite_loss, max_gradient_norm, precision, step_schedule: must equal
-            the root's (see
+        strategy, on_non_finite_loss, max_gradient_norm, precision, step_schedule,
+            lr_scheduler, lr_scheduler_interval: must equal the root's (see
             :func:`drive_distributed_training`).
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.

@@ -30,6 +30,7 @@ from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
+from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["local_data_parallel_training_loop"]
 
@@ -82,6 +83,8 @@ async def local_data_parallel_training_loop(
     max_gradient_norm: float | None = None,
     precision: Precision = "32",
     step_schedule: StepSchedule | None = None,
+    lr_scheduler: LrSchedulerFactory | None = None,
+    lr_scheduler_interval: SchedulerInterval = "epoch",
     averaging: Averaging | None = None,
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",

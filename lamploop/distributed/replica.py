@@ -7,7 +7,7 @@ what runs next (the root's epoch loop, or the commands a follower receives).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,7 +24,7 @@ from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, wo
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
-from lamploop.loop.precision import LossScale
+from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale, loss_scale_in, with_loss_scale
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
 from lamploop.step_schedules import check_step_factor
@@ -32,8 +32,9 @@ from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.group_channel import ProcessGroupChannel
 from lamploop.sync.strategy import SyncStrategy
+from lamploop.torch_schedulers import LR_SCHEDULER_KEY, make_lr_scheduler
 
-__all__ = ["Replica", "learning_rates", "open_replica", "set_learning_rate_factor"]
+__all__ = ["Replica", "learning_rates", "open_replica", "saved_beside_optimizer", "set_learning_rate_factor"]
 
 _STORE_PREFIX = "lamploop"
 
@@ -83,16 +84,29 @@ class Replica:
     run_epoch: EpochRunner = run_here
     boundary: RankBoundary | None = None
     resume_at: EpochPosition | None = None
-    loss_scale: LossScale | None = attrs.field(factory=lambda: None)
-    average: WeightAverage | None = attrs.field(factory=lambda: None)
+    saved: Mapping[str, Any] = attrs.field(factory=dict)
+    loss_scale: LossScale | None = attrs.field(init=False, default=None)
+    lr_scheduler: Any = attrs.field(init=False, default=None)
+    average: WeightAverage | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        if self.settings.precision != "fp16":
-            self.loss_scale = None
-        elif self.loss_scale is None:
-            self.loss_scale = LossScale()  # one per run: the scale carries over epochs
+        # ``saved``: what a checkpoint kept beside the optimizer state (the root's, shared).
+        if self.settings.precision == "fp16":  # one scale per run: it carries over epochs
+            self.loss_scale = loss_scale_in(self.saved) or LossScale()
+        if self.settings.lr_scheduler is not None and self.optimizer is not None:
+            saved = self.saved.get(LR_SCHEDULER_KEY)
+            self.lr_scheduler = make_lr_scheduler(self.settings.lr_scheduler, self.optimizer, saved)
         if self.settings.averaging is not None and self.channel.rank == 0 and self.optimizer is not None:
             self.average = WeightAverage(self.settings.averaging, self.model.module)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` with the loss scale and scheduler beside it, to checkpoint."""
+        if self.optimizer is None:
+            return {}
+        state = with_loss_scale(self.optimizer.state_dict(), self.loss_scale)
+        if self.lr_scheduler is not None:
+            state[LR_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        return state
 
     def _context(self, epoch: int) -> BatchContext:
         return BatchContext(epoch=epoch, rank=self.channel.rank, nranks=self.channel.nranks)
@@ -107,10 +121,9 @@ class Replica:
         """
         step: Callable[[], object] = _no_step
         if self.optimizer is not None:
-            set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
-            step = self.optimizer.step
-            if self.average is not None:
-                step = _averaged(step, self.average)
+            if self.lr_scheduler is None:  # a torch scheduler owns the rates
+                set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
+            step = _then(self.optimizer.step, self._after_step)
         start = None
         if self.resume_at is not None and self.resume_at.epoch == epoch:
             start = self.resume_at.start_of(self.channel.rank)
@@ -130,9 +143,17 @@ class Replica:
             start=start,
             boundary=self.boundary,
         )
+        if self.lr_scheduler is not None and self.settings.lr_scheduler_interval == "epoch":
+            self.lr_scheduler.step()
         if self.average is not None:
             self.average.after_epoch(epoch)
         return loss
+
+    def _after_step(self) -> None:
+        if self.lr_scheduler is not None and self.settings.lr_scheduler_interval == "step":
+            self.lr_scheduler.step()
+        if self.average is not None:
+            self.average.after_step()
 
     def _step_learning_rates(self, epoch: int, lr_factor: float) -> Callable[[int], None] | None:
         """Sets each step's learning rates: base * epoch factor * step factor (with a step schedule)."""
@@ -167,12 +188,17 @@ class Replica:
         return await self.run_epoch(one_pass)
 
 
-def _averaged(step: Callable[[], object], average: WeightAverage) -> Callable[[], None]:
-    def step_and_average() -> None:
-        step()
-        average.after_step()
+def saved_beside_optimizer(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's optimizer state keeps beside the optimizer's own (loss scale, scheduler)."""
+    return {key: optimizer_state[key] for key in (LOSS_SCALE_KEY, LR_SCHEDULER_KEY) if key in optimizer_state}
 
-    return step_and_average
+
+def _then(step: Callable[[], object], after: Callable[[], None]) -> Callable[[], None]:
+    def step_then() -> None:
+        step()
+        after()
+
+    return step_then
 
 
 @attrs.frozen(kw_only=True)
@@ -201,7 +227,7 @@ class RankPlan:
     stop: StopRequest = attrs.field(factory=StopRequest)
     save: SavePosition | None = None
     resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
-    loss_scale: LossScale | None = None
+    saved: Mapping[str, Any] = attrs.field(factory=dict)
 
     def replica(
         self,
@@ -210,7 +236,7 @@ class RankPlan:
         runner: EpochRunner,
         boundary: RankBoundary,
         resume_at: EpochPosition | None,
-        loss_scale: LossScale | None,
+        saved: Mapping[str, Any],
     ) -> Replica:
         """The replica of this plan on ``channel``."""
         return Replica(
@@ -225,20 +251,32 @@ class RankPlan:
             run_epoch=runner,
             boundary=boundary,
             resume_at=resume_at,
-            loss_scale=loss_scale,
+            saved=saved,
         )
 
 
-def _share_loss_scale(collectives: Collectives, strategy: SyncStrategy, scale: LossScale) -> None:
-    """fp16: every rank starts from the root's loss scale (a resumed run's is in its checkpoint)."""
-    if not strategy.steps_on_every_rank:
+def _share_saved(
+    collectives: Collectives, strategy: SyncStrategy, settings: TrainingSettings, saved: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """Every rank goes on from the root's saved loss scale and scheduler (a resumed run's checkpoint)."""
+    if settings.precision == "fp16" and not strategy.steps_on_every_rank:
         msg = (
             f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
             f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
         )
         raise ConfigurationError(msg)
-    state = collectives.broadcast_json(scale.to_json() if collectives.rank == 0 else None, "fp16 loss scale")
-    scale.load_json(state)
+    if settings.precision != "fp16" and settings.lr_scheduler is None:
+        return {}
+    shared: Mapping[str, Any] = collectives.broadcast_json(
+        dict(saved) if collectives.rank == 0 else None, "saved loss scale and scheduler"
+    )
+    return shared
+
+
+_Joined = tuple[
+    ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool, Mapping[str, Any]
+]
+"""What a rank has once the ranks met: channel, optimizer, resume point, keep RNGs?, saved extras."""
 
 
 def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) -> RankBoundary:
@@ -270,14 +308,11 @@ async def open_replica(
             if rngs:
                 rngs[0].restore()
         boundary = _boundary(plan, None, plan.save is not None)
-        yield plan.replica(
-            SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.loss_scale
-        )
+        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.saved)
         return
     store, root_host = await connect()
-    scale = (plan.loss_scale or LossScale()) if settings.precision == "fp16" else None
 
-    def join() -> tuple[ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool]:
+    def join() -> _Joined:
         group = new_process_group(
             store,
             rank=plan.rank,
@@ -298,21 +333,20 @@ async def open_replica(
         try:
             module = plan.model.module
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
-            if scale is not None:
-                _share_loss_scale(collectives, strategy, scale)
+            saved = _share_saved(collectives, strategy, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
         except BaseException:
             collectives.abandon()  # the ranks failed to agree or a peer was lost while they met
             raise
-        return channel, optimizer, resume_at, keep_rngs
+        return channel, optimizer, resume_at, keep_rngs, saved
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
-    channel, optimizer, resume_at, keep_rngs = await run_on_worker(join, abort)
+    channel, optimizer, resume_at, keep_rngs, saved = await run_on_worker(join, abort)
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
-        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, scale)
+        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

@@ -298,6 +298,17 @@ def load_checkpoint(
     raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
 
 
+def _check_fits(directory: pathlib.Path, descriptor: _Descriptor, actual: ModelSpec) -> None:
+    """The checkpoint's model (and best model, if any) have the given model's tensors."""
+    for file, spec in ((MODEL_FILE, descriptor.model_spec), (BEST_MODEL_FILE, descriptor.best_model_spec)):
+        if file == BEST_MODEL_FILE and not spec.tensors:
+            continue
+        problem = describe_mismatch(spec, actual, expected_label="checkpoint", actual_label="model")
+        if problem is not None:
+            msg = f"{directory / file}: does not fit the given model: {problem}"
+            raise CheckpointError(msg)
+
+
 def _load_directory(
     directory: pathlib.Path,
     schedule: LearningRateSchedule[Any] | None,
@@ -308,17 +319,7 @@ def _load_directory(
     descriptor_path = directory / DESCRIPTOR_NAME
     descriptor = _read_descriptor(descriptor_path)
     if model is not None:
-        actual = model_spec(model)
-        for file, spec in (
-            (MODEL_FILE, descriptor.model_spec),
-            (BEST_MODEL_FILE, descriptor.best_model_spec),
-        ):
-            if file == BEST_MODEL_FILE and not spec.tensors:
-                continue
-            problem = describe_mismatch(spec, actual, expected_label="checkpoint", actual_label="model")
-            if problem is not None:
-                msg = f"{directory / file}: does not fit the given model: {problem}"
-                raise CheckpointError(msg)
+        _check_fits(directory, descriptor, model_spec(model))
     schedule_state = (
         descriptor.schedule_state
         if schedule is None

@@ -22,7 +22,7 @@ What happens, in order:
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -31,18 +31,23 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from lamploop.averaging import Averaging, install_average
-from lamploop.batches import BatchContext, BatchStreamFactory
-from lamploop.checkpoint import RngStates, restore_optimizer_state
+from lamploop.averaging import Averaging
+from lamploop.batches import BatchStreamFactory
+from lamploop.checkpoint import RngStates
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition, StopRequest
 from lamploop.distributed.process_group import create_store
 from lamploop.distributed.replica import (
     RankPlan,
     Replica,
-    learning_rates,
     open_replica,
     saved_beside_optimizer,
+)
+from lamploop.distributed.root_setup import (
+    OptimizerFactory,
+    check_root_arguments,
+    install_result,
+    set_up_root,
 )
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
@@ -62,7 +67,6 @@ __all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training
 
 S = TypeVar("S")
 T = TypeVar("T")
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 LOST_PEER_GRACE_S = 3.0
 """A dead rank breaks a collective at once; its control connection tells which rank it was
@@ -121,6 +125,8 @@ class _RootEpochs:
         self.next_epoch = self.state.epoch
         self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
+        if replica.average is not None and init_state is not None and init_state.averaged_count:
+            replica.average.load(init_state.averaged_model, init_state.averaged_count)
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
         average = self.replica.average
@@ -192,23 +198,6 @@ class _RootEpochs:
             await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
         if self.checkpoint_state is not None:
             await self.checkpoint_state(self._data(state), schedule_state)
-
-
-def _set_up_root(
-    module: torch.nn.Module,
-    device: torch.device,
-    optimizer_factory: OptimizerFactory,
-    init_state: LoopStateWithModelAndOptimizerData | None,
-) -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
-    """Move the module, load the state to resume from, make the optimizer; its base learning rates."""
-    module.to(device)
-    if init_state is not None:
-        unwrapped(module).load_state_dict(init_state.model)
-    optimizer = optimizer_factory(module.parameters())
-    base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
-    if init_state is not None and init_state.optimizer:
-        restore_optimizer_state(optimizer, init_state)
-    return optimizer, base_lrs
 
 
 def _on_the_event_loop(roots: list[_RootEpochs]) -> SavePosition:
@@ -333,21 +322,12 @@ async def drive_distributed_training(
     """
     settings = TrainingSettings.from_arguments(locals())
     torch_device = check_place(nranks, device, "drive_distributed_training")
-    if nranks > 1 and control is None:
-        msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
-        raise ConfigurationError(msg)
-    if init_position is not None and len(init_position.loss_sums) != nranks:
-        msg = (
-            f"drive_distributed_training: the step-boundary checkpoint to resume from was taken with "
-            f"{len(init_position.loss_sums)} ranks, this run has nranks={nranks}; resume it with as "
-            "many ranks, or from an epoch-boundary checkpoint"
-        )
-        raise ConfigurationError(msg)
+    check_root_arguments(nranks, control, init_position)
     module = model.module
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.
     optimizer, base_lrs = await anyio.to_thread.run_sync(
-        _set_up_root, module, torch_device, optimizer_factory, init_state
+        set_up_root, module, torch_device, optimizer_factory, init_state
     )
 
     async def connect() -> tuple[Any, str]:
@@ -383,8 +363,6 @@ async def drive_distributed_training(
             replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state
         )
         roots.append(root)
-        if replica.average is not None and init_state is not None and init_state.averaged_count:
-            replica.average.load(init_state.averaged_model, init_state.averaged_count)
         # On failure no Stop is sent: leaving the control channel without it aborts the
         # followers with the root's reason instead of ending them as if all went well.
         try:
@@ -395,10 +373,5 @@ async def drive_distributed_training(
             await root.tell(Stop(reason=str(stopped)))
             raise
         await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
-    if replica.average is not None and replica.average.count:
-        # The run's result is the average (for SWA with its BatchNorm statistics refreshed).
-        last = BatchContext(epoch=max(state.epoch - 1, 0), rank=0, nranks=1)
-        await install_average(replica.average, train_batches(last), torch_device)
-    elif root.best:
-        unwrapped(module).load_state_dict(root.best)
+    await install_result(root.replica, root.best, train_batches, state.epoch)
     return state

@@ -1,0 +1,67 @@
+"""The root's work before and after its epochs: arguments checked, optimizer made, result installed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from lamploop.averaging import install_average
+from lamploop.batches import BatchContext, BatchStreamFactory
+from lamploop.checkpoint import restore_optimizer_state
+from lamploop.control.commands import ControlRoot
+from lamploop.distributed.replica import Replica, learning_rates
+from lamploop.errors import ConfigurationError
+from lamploop.loop.boundary import EpochPosition
+from lamploop.model import unwrapped
+from lamploop.state import LoopStateWithModelAndOptimizerData
+
+__all__ = ["OptimizerFactory", "check_root_arguments", "install_result", "set_up_root"]
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def check_root_arguments(
+    nranks: int, control: ControlRoot | None, init_position: EpochPosition | None
+) -> None:
+    """ConfigurationError for a root that cannot run: no control channel, or a resume point of other size."""
+    if nranks > 1 and control is None:
+        msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
+        raise ConfigurationError(msg)
+    if init_position is not None and len(init_position.loss_sums) != nranks:
+        msg = (
+            f"drive_distributed_training: the step-boundary checkpoint to resume from was taken with "
+            f"{len(init_position.loss_sums)} ranks, this run has nranks={nranks}; resume it with as "
+            "many ranks, or from an epoch-boundary checkpoint"
+        )
+        raise ConfigurationError(msg)
+
+
+def set_up_root(
+    module: torch.nn.Module,
+    device: torch.device,
+    optimizer_factory: OptimizerFactory,
+    init_state: LoopStateWithModelAndOptimizerData | None,
+) -> tuple[torch.optim.Optimizer, tuple[float, ...]]:
+    """Move the module, load the state to resume from, make the optimizer; its base learning rates."""
+    module.to(device)
+    if init_state is not None:
+        unwrapped(module).load_state_dict(init_state.model)
+    optimizer = optimizer_factory(module.parameters())
+    base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
+    if init_state is not None and init_state.optimizer:
+        restore_optimizer_state(optimizer, init_state)
+    return optimizer, base_lrs
+
+
+async def install_result(
+    replica: Replica, best: dict[str, torch.Tensor], train_batches: BatchStreamFactory, epochs_done: int
+) -> None:
+    """The model ends holding the weight average if there is one, else the best epoch's model."""
+    average = replica.average
+    if average is not None and average.count:
+        # For SWA with its BatchNorm statistics refreshed on the last epoch's training data.
+        last = BatchContext(epoch=max(epochs_done - 1, 0), rank=0, nranks=1)
+        await install_average(average, train_batches(last), replica.device)
+    elif best:
+        unwrapped(replica.model.module).load_state_dict(best)

@@ -14,10 +14,12 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import pytest
 import torch
 from fit_reference import single_process_fit
@@ -142,3 +144,43 @@ def test_ctrl_c_in_a_notebook_stops_at_a_step_boundary_with_a_checkpoint(tmp_pat
     saved = load_checkpoint(tmp_path)
     assert saved.position is not None
     assert saved.position.steps_done == info.value.steps_done
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_launcher")
+def test_a_second_ctrl_c_in_a_notebook_stops_at_once() -> None:
+    (x, y), _ = worker.fit_data()
+    started = threading.Event()
+    first_batches = lamploop.tensor_batches(x, y, batch_size=4)
+
+    def slow_start(context: lamploop.BatchContext) -> Any:
+        async def stream() -> Any:
+            started.set()
+            await anyio.sleep(5)  # no step boundary comes before both interrupts
+            async for batch in first_batches(context):
+                yield batch
+
+        return stream()
+
+    def interrupt_twice() -> None:
+        started.wait(30)
+        main = threading.main_thread().ident or 0
+        signal.pthread_kill(main, signal.SIGINT)  # after the step in progress...
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGINT)  # ...no: at once
+
+    kwargs: dict[str, Any] = {
+        "model": lamploop.SupervisedModel(worker.make_module({"seed": 5}, 0)),
+        "optimizer_factory": worker.optimizer_factory({"name": "sgd", "lr": 0.05}),
+        "train_batches": slow_start,
+        "max_epochs": 5,
+    }
+    interrupter = threading.Thread(target=interrupt_twice)
+    interrupter.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(TrainingInterrupted, match="stopped at once by a second SIGINT"):
+            in_a_running_loop(lambda: lamploop.fit(**kwargs))
+    finally:
+        interrupter.join(30)
+    assert time.monotonic() - began < 4.5  # the 5 s wait before the first batch was cut short

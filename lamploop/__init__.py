@@ -5,7 +5,8 @@ The names users call are re-exported here; docs/architecture.md maps the modules
 
 from typing import Any
 
-from lamploop import errors, schedules
+from lamploop import averaging, errors, metrics, schedules, step_schedules
+from lamploop.averaging import ema, swa
 from lamploop.batches import (
     BatchContext,
     BatchStream,
@@ -23,6 +24,7 @@ from lamploop.distributed import (
 )
 from lamploop.fit import fit, fit_async
 from lamploop.loop import ALL_EPOCHS, epochs, one_epoch
+from lamploop.metrics import PassResult, accuracy
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss, summed
 from lamploop.modelspec import ModelSpec, model_spec
 from lamploop.reporting import LoggingReporter, Reporter
@@ -38,6 +40,7 @@ from lamploop.schedules import (
 )
 from lamploop.settings import TrainingSettings
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.step_schedules import warmup_cosine, warmup_linear
 from lamploop.sync import register_strategy, strategy_names
 
 __version__ = "0.2.0"
@@ -55,16 +58,20 @@ __all__ = [
     "LoopState",
     "LoopStateWithModelAndOptimizerData",
     "ModelSpec",
+    "PassResult",
     "Reporter",
     "SupervisedModel",
     "TcpControlFollower",
     "TcpControlRoot",
     "TrainingSettings",
+    "accuracy",
+    "averaging",
     "cross_entropy_loss",
     "cyclic",
     "dataloader_batches",
     "decrement",
     "drive_distributed_training",
+    "ema",
     "epochs",
     "errors",
     "fit",
@@ -77,6 +84,7 @@ __all__ = [
     "load_checkpoint",
     "local_control",
     "local_data_parallel_training_loop",
+    "metrics",
     "model_spec",
     "mse_loss",
     "noop",
@@ -86,9 +94,13 @@ __all__ = [
     "save_checkpoint",
     "schedules",
     "step_after",
+    "step_schedules",
     "strategy_names",
     "summed",
+    "swa",
     "tensor_batches",
+    "warmup_cosine",
+    "warmup_linear",
 ]
 
 _MOVED = {

@@ -75,22 +75,23 @@ class SupervisedModel:
         Raises:
             ConfigurationError: the loss did not return ``(loss sum, example count)``.
         """
-        result = self.loss(self.module(features), target)
-        if type(result) is not tuple or len(result) != 2:
-            raise _not_a_sum_and_count(self.loss, result)
-        return result
+        return self._loss_of(self.module(features), target)
 
     def loss_and_metrics(
         self, features: Any, target: torch.Tensor
     ) -> tuple[torch.Tensor, int, list[tuple[torch.Tensor, int]]]:
         """:meth:`loss_sum_and_count`, and every metric's ``(sum, count)`` on the same output."""
         output = self.module(features)
+        loss_sum, count = self._loss_of(output, target)
+        with torch.no_grad():
+            values = [metric(output, target) for metric in self.metrics.values()]
+        return loss_sum, count, values
+
+    def _loss_of(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         result = self.loss(output, target)
         if type(result) is not tuple or len(result) != 2:
             raise _not_a_sum_and_count(self.loss, result)
-        with torch.no_grad():
-            values = [metric(output, target) for metric in self.metrics.values()]
-        return result[0], result[1], values
+        return result
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

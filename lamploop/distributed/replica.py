@@ -24,7 +24,7 @@ from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, wo
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
-from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale, loss_scale_in, with_loss_scale
+from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
 from lamploop.step_schedules import check_step_factor
@@ -92,7 +92,9 @@ class Replica:
     def __attrs_post_init__(self) -> None:
         # ``saved``: what a checkpoint kept beside the optimizer state (the root's, shared).
         if self.settings.precision == "fp16":  # one scale per run: it carries over epochs
-            self.loss_scale = loss_scale_in(self.saved) or LossScale()
+            self.loss_scale = LossScale()
+            if LOSS_SCALE_KEY in self.saved:
+                self.loss_scale.load_json(self.saved[LOSS_SCALE_KEY])
         if self.settings.lr_scheduler is not None and self.optimizer is not None:
             saved = self.saved.get(LR_SCHEDULER_KEY)
             self.lr_scheduler = make_lr_scheduler(self.settings.lr_scheduler, self.optimizer, saved)
@@ -103,7 +105,9 @@ class Replica:
         """The optimizer's ``state_dict()`` with the loss scale and scheduler beside it, to checkpoint."""
         if self.optimizer is None:
             return {}
-        state = with_loss_scale(self.optimizer.state_dict(), self.loss_scale)
+        state = self.optimizer.state_dict()
+        if self.loss_scale is not None:
+            state[LOSS_SCALE_KEY] = self.loss_scale.to_json()
         if self.lr_scheduler is not None:
             state[LR_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
         return state
@@ -123,7 +127,9 @@ class Replica:
         if self.optimizer is not None:
             if self.lr_scheduler is None:  # a torch scheduler owns the rates
                 set_learning_rate_factor(self.optimizer, self.base_lrs, lr_factor)
-            step = _then(self.optimizer.step, self._after_step)
+            step = self.optimizer.step
+            if self._scheduled_per_step() or self.average is not None:  # else nothing more per step
+                step = _then(step, self._after_step)
         start = None
         if self.resume_at is not None and self.resume_at.epoch == epoch:
             start = self.resume_at.start_of(self.channel.rank)
@@ -149,8 +155,11 @@ class Replica:
             self.average.after_epoch(epoch)
         return loss
 
+    def _scheduled_per_step(self) -> bool:
+        return self.lr_scheduler is not None and self.settings.lr_scheduler_interval == "step"
+
     def _after_step(self) -> None:
-        if self.lr_scheduler is not None and self.settings.lr_scheduler_interval == "step":
+        if self._scheduled_per_step():
             self.lr_scheduler.step()
         if self.average is not None:
             self.average.after_step()
@@ -255,16 +264,19 @@ class RankPlan:
         )
 
 
-def _share_saved(
-    collectives: Collectives, strategy: SyncStrategy, settings: TrainingSettings, saved: Mapping[str, Any]
-) -> Mapping[str, Any]:
-    """Every rank goes on from the root's saved loss scale and scheduler (a resumed run's checkpoint)."""
+def _check_fp16_strategy(settings: TrainingSettings, strategy: SyncStrategy) -> None:
     if settings.precision == "fp16" and not strategy.steps_on_every_rank:
         msg = (
             f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
             f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
         )
         raise ConfigurationError(msg)
+
+
+def _share_saved(
+    collectives: Collectives, settings: TrainingSettings, saved: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """Every rank goes on from the root's saved loss scale and scheduler (a resumed run's checkpoint)."""
     if settings.precision != "fp16" and settings.lr_scheduler is None:
         return {}
     shared: Mapping[str, Any] = collectives.broadcast_json(
@@ -333,7 +345,8 @@ async def open_replica(
         try:
             module = plan.model.module
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
-            saved = _share_saved(collectives, strategy, settings, plan.saved)
+            _check_fp16_strategy(settings, strategy)
+            saved = _share_saved(collectives, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
         except BaseException:

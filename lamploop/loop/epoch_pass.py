@@ -17,12 +17,10 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import anyio.lowlevel
-import anyio.to_thread
+import attrs
 import torch
 
 from lamploop.batches import BatchStream
@@ -32,6 +30,7 @@ from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepP
 from lamploop.loop.forward import BackwardSeeds, Forward, device_of
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
+from lamploop.loop.pass_totals import Yielder, epoch_totals
 from lamploop.loop.precision import LossScale, Precision, check_precision, unscale_and_check
 from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
@@ -42,34 +41,6 @@ from lamploop.sync.strategy import GradientSync
 __all__ = ["one_epoch"]
 
 _log = logging.getLogger(__name__)
-
-_YIELD_EVERY_S = 0.02
-"""Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
-a turn at least this often."""
-
-
-class _Yielder:
-    def __init__(self) -> None:
-        self._last = time.monotonic()
-
-    async def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self._last >= _YIELD_EVERY_S:
-            self._last = now
-            await anyio.lowlevel.checkpoint()
-
-
-async def _epoch_totals(
-    channel: TensorChannel, values: list[float], metrics: MetricSums
-) -> tuple[float, float, list[float]]:
-    """The loss sum, example count and metric totals over all ranks, in one all-reduce."""
-    values = values + metrics.totals()
-    if channel.nranks == 1:
-        total, global_count, *metric_totals = channel.all_reduce_sum(values)
-    else:
-        # This waits for the slowest rank's whole epoch: keep the event loop (heartbeats) free.
-        total, global_count, *metric_totals = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
-    return total, global_count, metric_totals
 
 
 async def one_epoch(
@@ -145,15 +116,17 @@ async def one_epoch(
         msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
         raise ConfigurationError(msg)
     else:
-        training = _TrainingPass(
-            model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, policy
+        extras = _StepExtras(
+            policy=policy,
+            forward=forward_of,
+            metrics=metrics,
+            max_gradient_norm=max_gradient_norm,
+            loss_scale=(loss_scale or LossScale()) if precision == "fp16" else None,
+            before_step=before_step,
         )
-        training.max_gradient_norm = max_gradient_norm
-        training.metrics = metrics
-        training.forward = forward_of
-        training.before_step = before_step
-        if precision == "fp16":
-            training.loss_scale = loss_scale if loss_scale is not None else LossScale()
+        training = _TrainingPass(
+            model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, extras
+        )
         total, count, metric_totals = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
@@ -176,7 +149,7 @@ async def _forward_pass(
     rank = channel.rank
     losses: list[torch.Tensor] = []
     count = 0
-    yield_now = _Yielder()
+    yield_now = Yielder()
     with torch.no_grad():
         async for item in batches:
             index = len(losses)
@@ -187,9 +160,21 @@ async def _forward_pass(
             count += n
             await yield_now()
     local = float(torch.stack(losses).sum()) if losses else 0.0
-    total, global_count, metric_totals = await _epoch_totals(channel, [local, count], metrics)
+    total, global_count, metric_totals = await epoch_totals(channel, [local, count], metrics)
     check_finite(losses, total, epoch, rank)
     return total, global_count, metric_totals
+
+
+@attrs.frozen
+class _StepExtras:
+    """What a training step does beyond forward, backward and the optimizer step (see ``one_epoch``)."""
+
+    policy: NonFiniteLossPolicy
+    forward: Forward
+    metrics: MetricSums
+    max_gradient_norm: float | None
+    loss_scale: LossScale | None
+    before_step: Callable[[int], object] | None
 
 
 class _TrainingPass:
@@ -205,10 +190,13 @@ class _TrainingPass:
         epoch: int | None,
         start: EpochStart,
         boundary: StepBoundary | None,
-        policy: NonFiniteLossPolicy,
+        extras: _StepExtras,
     ) -> None:
         self.model, self.channel, self.step_optimizer, self.k = model, channel, step_optimizer, k
-        self.device, self.epoch, self.boundary, self.policy = device, epoch, boundary, policy
+        self.device, self.epoch, self.boundary = device, epoch, boundary
+        self.policy, self.forward, self.metrics = extras.policy, extras.forward, extras.metrics
+        self.max_gradient_norm, self.loss_scale = extras.max_gradient_norm, extras.loss_scale
+        self.before_step = extras.before_step
         self.rank, self.single = channel.rank, channel.nranks == 1
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
@@ -219,11 +207,6 @@ class _TrainingPass:
         self.scales = BackwardSeeds()
         self.upcoming: Any = None
         self.step_first = 0  # where the current step's batches start in self.losses
-        self.max_gradient_norm: float | None = None
-        self.metrics = MetricSums(())
-        self.forward = Forward(model, "32", torch.device("cpu"))
-        self.loss_scale: LossScale | None = None
-        self.before_step: Callable[[int], object] | None = None
         self.skipped_steps = 0
 
     def _requests(self) -> list[float]:
@@ -247,7 +230,7 @@ class _TrainingPass:
         sync = self.channel.gradient_sync(self.model.module)
         self.model.module.train()
         sync.begin_pass()
-        yield_now = _Yielder()
+        yield_now = Yielder()
         stream: AsyncIterator[Any] = aiter(batches)
         for _ in range(self.first_index):  # the steps a resumed pass has done already
             if await anext(stream, None) is None:
@@ -282,7 +265,7 @@ class _TrainingPass:
             await yield_now()
         sync.end_pass()
         self.channel.sync_buffers(self.model.module)
-        total_loss, global_total, metric_totals = await _epoch_totals(
+        total_loss, global_total, metric_totals = await epoch_totals(
             self.channel, [self._loss_sum(), self.count], self.metrics
         )
         check_finite(self.losses, total_loss, self.epoch, self.rank, first_index=self.first_index)

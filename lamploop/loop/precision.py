@@ -18,7 +18,7 @@ own precision.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
 import torch
@@ -32,9 +32,7 @@ __all__ = [
     "Precision",
     "autocast",
     "check_precision",
-    "loss_scale_in",
     "unscale_and_check",
-    "with_loss_scale",
 ]
 
 LOSS_SCALE_KEY: Final = "lamploop_loss_scale"
@@ -117,18 +115,3 @@ def unscale_and_check(parameters: Sequence[torch.nn.Parameter], scale: float) ->
     torch._foreach_mul_(grads, 1.0 / scale)
     finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
     return not bool(finite)
-
-
-def with_loss_scale(optimizer_state: dict[str, Any], scale: LossScale | None) -> dict[str, Any]:
-    """The optimizer's state with fp16's loss scale beside it (:data:`LOSS_SCALE_KEY`), for checkpoints."""
-    return optimizer_state if scale is None else {**optimizer_state, LOSS_SCALE_KEY: scale.to_json()}
-
-
-def loss_scale_in(optimizer_state: Mapping[str, Any]) -> LossScale | None:
-    """The loss scale a checkpoint's optimizer state kept (see :func:`with_loss_scale`), if any."""
-    saved = optimizer_state.get(LOSS_SCALE_KEY)
-    if saved is None:
-        return None
-    scale = LossScale()
-    scale.load_json(saved)
-    return scale

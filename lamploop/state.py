@@ -56,6 +56,9 @@ class LearningCurveEntry:
             :mod:`lamploop.metrics`); empty without metrics.
         validation_metrics: each metric's ``(smoothed, raw)`` validation value, smoothed
             like the loss; empty when validation did not run or without metrics.
+        learning_rate_factor: the learning-rate schedule's factor the epoch trained with
+            (``None`` in entries written before lamploop 0.3); informational, so left out
+            of ``==``.
     """
 
     epoch: int
@@ -64,6 +67,10 @@ class LearningCurveEntry:
     training_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_floats, hash=False)
     validation_metrics: Mapping[str, tuple[float, float]] = attrs.field(
         factory=dict, converter=_pairs, hash=False
+    )
+    # Not compared: two curves that measured the same losses are equal whatever they record beside.
+    learning_rate_factor: float | None = attrs.field(
+        default=None, converter=attrs.converters.optional(float), eq=False
     )
 
 
@@ -135,5 +142,6 @@ converter.register_unstructure_hook(
         converter,
         training_metrics=cattrs.gen.override(omit_if_default=True),
         validation_metrics=cattrs.gen.override(omit_if_default=True),
+        learning_rate_factor=cattrs.gen.override(omit_if_default=True),
     ),
 )

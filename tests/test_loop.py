@@ -239,7 +239,7 @@ def reference_run(sc: Scenario, *, max_epochs: int) -> Reference:
                 best, best_epoch = smoothed, epoch
                 events.append(("save", epoch))
         observed = None if validation is None else validation[0]
-        curve.append(LearningCurveEntry(epoch, sc.train[epoch], validation))
+        curve.append(LearningCurveEntry(epoch, sc.train[epoch], validation, learning_rate_factor=factor))
         state = LoopState(epoch + 1, last, best, best_epoch, tuple(curve))
         events.append(("checkpoint", state, schedule_state))
         epoch += 1

@@ -214,7 +214,14 @@ async def epochs(
             min_validation_epoch=best_epoch,
             learning_curve=(
                 *state.learning_curve,
-                LearningCurveEntry(epoch, training_loss, validation, metrics_of(trained), validation_metrics),
+                LearningCurveEntry(
+                    epoch,
+                    training_loss,
+                    validation,
+                    metrics_of(trained),
+                    validation_metrics,
+                    learning_rate_factor=factor,
+                ),
             ),
         )
         if checkpoint_state is not None:

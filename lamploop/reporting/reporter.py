@@ -8,14 +8,20 @@ from typing import Protocol, runtime_checkable
 
 from lamploop.reporting.events import Event
 
-__all__ = ["Reporter", "report_all"]
+__all__ = ["Reporter", "close_all", "report_all"]
 
 logger = logging.getLogger("lamploop")
 
 
 @runtime_checkable
 class Reporter(Protocol):
-    """Receives a run's events.  ``report`` must be quick: it runs between epochs, on the root."""
+    """Receives a run's events (see :mod:`lamploop.reporting.events`).
+
+    ``report`` is called on the root rank's event-loop thread, one event at a time, in
+    the order the events happened; it must be quick (it runs between training steps, or
+    between epochs).  A reporter may also have a ``close()`` method: it is called once
+    when the run ends, however it ends (after the last event).
+    """
 
     def report(self, event: Event) -> None:
         """Take one event."""
@@ -29,3 +35,15 @@ def report_all(reporters: Iterable[Reporter], event: Event) -> None:
             reporter.report(event)
         except Exception:  # a broken reporter must not lose the training run
             logger.exception("reporter %r failed on %s", reporter, type(event).__name__)
+
+
+def close_all(reporters: Iterable[Reporter]) -> None:
+    """Call ``close()`` on every reporter that has one; failures are logged."""
+    for reporter in reporters:
+        close = getattr(reporter, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception:
+            logger.exception("closing reporter %r failed", reporter)

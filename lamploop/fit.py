@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypedDict, TypeVar
@@ -47,14 +48,18 @@ from lamploop.distributed.launch import (
     open_root_control,
     spawn_followers,
 )
-from lamploop.errors import ConfigurationError, TrainingInterrupted
+from lamploop.errors import ConfigurationError, PeerLostError, TrainingInterrupted
+from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
-from lamploop.reporting import EpochFinished, LoggingReporter, Reporter, RunFailed, RunFinished, report_all
+from lamploop.reporting.emitter import EventEmitter
+from lamploop.reporting.events import CheckpointWritten, PeerLost, RunFailed, RunStopped
+from lamploop.reporting.logging_reporter import LoggingReporter
+from lamploop.reporting.reporter import Reporter, close_all
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -274,22 +279,34 @@ async def fit_async(
             optimizer_factory=optimizer_factory,
             **rank_settings,
         )
-        async with (
-            stop_on_signals(stop),
-            open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
-        ):
-            await follow(control=f)
+        try:
+            async with (
+                stop_on_signals(stop),
+                open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
+            ):
+                await follow(control=f)
+        finally:
+            close_all(reporters or ())  # the same script's reporters: a follower reports nothing
         return None
 
     resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
     save = Checkpointer(checkpoint_dir, keep_last=keep_last) if checkpoint_dir is not None else None
     listeners = list(reporters) if reporters is not None else [LoggingReporter()]
+    emit = EventEmitter(listeners)
 
     async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
         # The checkpoint itself is written through checkpoint_position, with every rank's RNG states.
-        report_all(listeners, EpochFinished(data.loop_state))
         if on_epoch is not None:
             on_epoch(data.loop_state)
+
+    async def save_position(
+        data: LoopStateWithModelAndOptimizerData, schedule_state: Any, at: EpochPosition, rngs: Sequence[Any]
+    ) -> None:
+        assert save is not None
+        began = time.monotonic()
+        await save.save_position(data, schedule_state, at, rngs)
+        path = str(save.last_path) if save.last_path is not None else None
+        emit(CheckpointWritten(at.epoch, at.steps_done, path, time.monotonic() - began))
 
     drive = functools.partial(
         drive_distributed_training,
@@ -300,18 +317,25 @@ async def fit_async(
         train_batches=train_batches,
         validation_batches=validation_batches,
         checkpoint_state=after_epoch,
-        checkpoint_position=save.save_position if save is not None else None,
+        checkpoint_position=save_position if save is not None else None,
         stop=stop,
+        reporters=listeners,
         **resumed,
         **attrs.asdict(settings, recurse=False),
     )
-    return await _reported(
-        _drive_with_followers(drive, place, spec, heartbeat, launch_command), stop, listeners
-    )
+    try:
+        return await _reported(
+            _drive_with_followers(drive, place, spec, heartbeat, launch_command), stop, emit
+        )
+    finally:
+        close_all(listeners)
 
 
-async def _reported(run: Awaitable[LoopState], stop: StopRequest, listeners: Sequence[Reporter]) -> LoopState:
-    """Await the root's run under the signal handlers; report how it ended; raise its first error."""
+async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmitter) -> LoopState:
+    """Await the root's run under the signal handlers; report a stop or a failure; raise its first error.
+
+    The run itself reports everything up to :class:`RunFinished`; how it failed is known here.
+    """
     try:
         async with stop_on_signals(stop) as at_once:
             state = await run
@@ -320,14 +344,17 @@ async def _reported(run: Awaitable[LoopState], stop: StopRequest, listeners: Seq
             raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
     except Exception as exc:
         error = _first_error(exc)
-        if not isinstance(error, TrainingInterrupted):  # a stop on request is no failure
-            report_all(listeners, RunFailed(f"{type(error).__name__}: {error}"))
+        if isinstance(error, TrainingInterrupted):  # a stop on request is no failure
+            emit(RunStopped(error.reason, str(error)))
+        else:
+            if isinstance(error, PeerLostError) and error.rank is not None:
+                emit(PeerLost(error.rank, error.how or "lost", str(error)))
+            emit(RunFailed(f"{type(error).__name__}: {error}"))
         if error is exc:
             raise
         if error.__cause__ is not None:
             raise error from error.__cause__  # its own cause says more than the task groups' wrapping
         raise error from exc  # the task groups' wrapping, kept as the cause
-    report_all(listeners, RunFinished(state))
     return state
 
 

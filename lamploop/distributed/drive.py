@@ -22,6 +22,7 @@ What happens, in order:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, TypeVar
 
@@ -55,12 +56,25 @@ from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
+from lamploop.metrics import metrics_of
 from lamploop.model import SupervisedModel, unwrapped
+from lamploop.reporting.emitter import EventEmitter
+from lamploop.reporting.events import (
+    EpochFinished,
+    EpochStarted,
+    PeerJoined,
+    RunFinished,
+    RunStarted,
+    ValidationFinished,
+)
+from lamploop.reporting.reporter import Reporter
+from lamploop.reporting.sampler import ProgressSampler
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
 from lamploop.sync.collectives import AbortSignal
+from lamploop.sync.group_channel import ProcessGroupChannel
 from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
@@ -115,6 +129,7 @@ class _RootEpochs:
         checkpoint_position: CheckpointPosition | None,
         init_state: LoopStateWithModelAndOptimizerData | None,
         schedule_state: Any,
+        emit: EventEmitter,
     ) -> None:
         self.replica = replica
         self.control = control
@@ -127,6 +142,13 @@ class _RootEpochs:
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
         if replica.average is not None and init_state is not None and init_state.averaged_count:
             replica.average.load(init_state.averaged_model, init_state.averaged_count)
+        self.emit = emit
+        self.sampler: ProgressSampler | None = None
+        if emit:
+            self.sampler = ProgressSampler(emit, wait_seconds=_wait_seconds(replica.channel))
+            replica.after_step = self.sampler.after_step
+        self.epoch_began = time.monotonic()
+        self.epoch_steps: int | None = None  # the last epoch's steps: the next one's expected length
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
         average = self.replica.average
@@ -166,8 +188,18 @@ class _RootEpochs:
         if self.control is not None and self.replica.channel.nranks > 1:
             await self.control.broadcast(command)
 
+    def _epoch_starts(self, lr_factor: float) -> None:
+        self.epoch_began = time.monotonic()
+        if self.sampler is None:
+            return
+        resume = self.replica.resume_at
+        steps_done = resume.steps_done if resume is not None and resume.epoch == self.next_epoch else 0
+        self.sampler.start_epoch(self.next_epoch, steps_done)
+        self.emit(EpochStarted(self.next_epoch, lr_factor, steps_done, self.epoch_steps))
+
     async def train(self, lr_factor: float) -> float:
         await self.tell(Train(epoch=self.next_epoch, lr_factor=lr_factor))
+        self._epoch_starts(lr_factor)
         try:
             return await self.replica.train(self.next_epoch, lr_factor)
         except EpochStopped as stopped:
@@ -179,7 +211,12 @@ class _RootEpochs:
 
     async def validate(self) -> float:
         await self.tell(Valid(epoch=self.next_epoch))
-        return await self.replica.validate(self.next_epoch)
+        began = time.monotonic()
+        loss = await self.replica.validate(self.next_epoch)
+        if self.emit:
+            seconds = time.monotonic() - began
+            self.emit(ValidationFinished(self.next_epoch, float(loss), metrics_of(loss), seconds))
+        return loss
 
     async def save_best(self) -> None:
         self.best = {
@@ -187,6 +224,11 @@ class _RootEpochs:
         }
 
     async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
+        if self.sampler is not None:
+            seconds = time.monotonic() - self.epoch_began
+            steps, examples = self.sampler.steps_done, self.sampler.examples
+            self.epoch_steps = steps
+            self.emit(EpochFinished(state, seconds=seconds, steps=steps, examples=examples))
         self.state, self.schedule_state, self.next_epoch = state, schedule_state, state.epoch
         if self.checkpoint_position is not None:
             # The start of the next epoch is a step boundary too: step 0, with every rank's RNG states.
@@ -198,6 +240,14 @@ class _RootEpochs:
             await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
         if self.checkpoint_state is not None:
             await self.checkpoint_state(self._data(state), schedule_state)
+
+
+def _wait_seconds(channel: object) -> Callable[[], float]:
+    """The root's running total of seconds blocked on collectives (none with one rank)."""
+    if isinstance(channel, ProcessGroupChannel):
+        collectives = channel.collectives
+        return lambda: collectives.wait_seconds
+    return lambda: 0.0
 
 
 def _on_the_event_loop(roots: list[_RootEpochs]) -> SavePosition:
@@ -251,6 +301,7 @@ async def drive_distributed_training(
     init_position: EpochPosition | None = None,
     init_rank_rngs: Sequence[RngStates] = (),
     stop: StopRequest | None = None,
+    reporters: Sequence[Reporter] = (),
 ) -> LoopState:
     """Drive training on the root rank (rank 0); with ``nranks == 1``, train alone.
 
@@ -308,6 +359,10 @@ async def drive_distributed_training(
         stop: set it (e.g. from a signal handler) to stop at the next step boundary: a
             checkpoint is written there, the followers are stopped, and
             :class:`~lamploop.errors.TrainingInterrupted` is raised.
+        reporters: hear the run's events (:mod:`lamploop.reporting.events`): run started,
+            peers joined, each epoch's start, progress samples, validation and end, and the
+            run's end.  How a run fails or stops is raised to the caller (:func:`lamploop.fit`
+            reports it); reporters are not closed here.
 
     The other arguments are those of :func:`lamploop.epochs`.
 
@@ -323,6 +378,9 @@ async def drive_distributed_training(
     settings = TrainingSettings.from_arguments(locals())
     torch_device = check_place(nranks, device, "drive_distributed_training")
     check_root_arguments(nranks, control, init_position)
+    emit = EventEmitter(reporters)
+    start_epoch = init_state.loop_state.epoch if init_state is not None else 0
+    emit(RunStarted(nranks, start_epoch, settings.max_epochs))
     module = model.module
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.
@@ -334,6 +392,8 @@ async def drive_distributed_training(
         store, port = create_store(host, nranks, settings.collective_timeout)
         if control is not None:
             await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
+            for rank in range(1, nranks):
+                emit(PeerJoined(rank, nranks))
         return store, host
 
     roots: list[_RootEpochs] = []  # the root's effects, once its replica exists
@@ -360,7 +420,7 @@ async def drive_distributed_training(
     )
     async with open_replica(plan, connect, AbortSignal()) as replica:
         root = _RootEpochs(
-            replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state
+            replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state, emit
         )
         roots.append(root)
         # On failure no Stop is sent: leaving the control channel without it aborts the
@@ -374,4 +434,5 @@ async def drive_distributed_training(
             raise
         await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
     await install_result(root.replica, root.best, train_batches, state.epoch)
+    emit(RunFinished(state))
     return state

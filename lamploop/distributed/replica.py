@@ -88,6 +88,8 @@ class Replica:
     loss_scale: LossScale | None = attrs.field(init=False, default=None)
     lr_scheduler: Any = attrs.field(init=False, default=None)
     average: WeightAverage | None = attrs.field(init=False, default=None)
+    # The root's progress sampler (when someone listens): called after every training step.
+    after_step: Callable[[int, float | torch.Tensor], object] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         # ``saved``: what a checkpoint kept beside the optimizer state (the root's, shared).
@@ -146,6 +148,7 @@ class Replica:
             precision=self.settings.precision,
             loss_scale=self.loss_scale,
             before_step=self._step_learning_rates(epoch, lr_factor),
+            after_step=self.after_step,
             start=start,
             boundary=self.boundary,
         )

@@ -60,6 +60,7 @@ async def one_epoch(
     precision: Precision = "32",
     loss_scale: LossScale | None = None,
     before_step: Callable[[int], object] | None = None,
+    after_step: Callable[[int, float | torch.Tensor], object] | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -86,6 +87,10 @@ async def one_epoch(
         loss_scale: fp16's loss scale, to keep across epochs (default: a new one).
         before_step: called with the step's index in the epoch right before each optimizer
             step (e.g. to set a per-step learning rate; see :mod:`lamploop.step_schedules`).
+        after_step: called after each step (also a skipped one) with the step's example
+            count and loss sum over every rank; on a single rank the loss sum may be a
+            tensor on the device, not yet read (reading it waits for the device: a progress
+            reporter reads it now and then, see :mod:`lamploop.reporting.sampler`).
 
     Raises:
         ConfigurationError: bad arguments.
@@ -123,6 +128,7 @@ async def one_epoch(
             max_gradient_norm=max_gradient_norm,
             loss_scale=(loss_scale or LossScale()) if precision == "fp16" else None,
             before_step=before_step,
+            after_step=after_step,
         )
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, extras
@@ -175,6 +181,7 @@ class _StepExtras:
     max_gradient_norm: float | None
     loss_scale: LossScale | None
     before_step: Callable[[int], object] | None
+    after_step: Callable[[int, float | torch.Tensor], object] | None
 
 
 class _TrainingPass:
@@ -196,7 +203,7 @@ class _TrainingPass:
         self.device, self.epoch, self.boundary = device, epoch, boundary
         self.policy, self.forward, self.metrics = extras.policy, extras.forward, extras.metrics
         self.max_gradient_norm, self.loss_scale = extras.max_gradient_norm, extras.loss_scale
-        self.before_step = extras.before_step
+        self.before_step, self.after_step = extras.before_step, extras.after_step
         self.rank, self.single = channel.rank, channel.nranks == 1
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
@@ -260,6 +267,8 @@ class _TrainingPass:
                 self._step()
             sync.after_step()
             self.steps_done += 1
+            if self.after_step is not None:
+                self.after_step(global_count, sum(step_losses) if step_losses else self._step_loss())
             if (checkpoint or stop) and self.boundary is not None:
                 await self._at_boundary(sync, stop=bool(stop))
             await yield_now()
@@ -292,6 +301,10 @@ class _TrainingPass:
         """Start the step's sum over ranks: [examples, checkpoint?, stop?] + every rank's loss sum."""
         per_rank = step_loss(self.losses[self.step_first :])
         return self.channel.begin_all_reduce_sum([group_count, *self._requests()], per_rank=per_rank)
+
+    def _step_loss(self) -> float | torch.Tensor:
+        """This rank's loss sum of the step just done (a tensor: not read, not waited for)."""
+        return step_loss(self.losses[self.step_first :])
 
     def _local_step_losses(self) -> list[float]:
         """One rank: its step's loss sum, when reading it waits for nothing (or a skip needs it)."""

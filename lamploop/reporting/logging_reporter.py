@@ -1,10 +1,26 @@
-"""``LoggingReporter``: one line per epoch on the ``"lamploop"`` logger."""
+"""``LoggingReporter``: one line per epoch on the ``"lamploop"`` logger, also without any set-up.
+
+When nothing is configured to handle the ``"lamploop"`` logger (no handler on it or its
+ancestors, as in a fresh script or notebook), the reporter writes its lines to stderr
+itself (``lamploop: epoch 3: ...``), so ``fit`` shows its progress without set-up; once
+the application configures logging, the lines go where that says, at ``level``.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 
-from lamploop.reporting.events import EpochFinished, Event, RunFailed, RunFinished, RunStarted
+from lamploop.reporting.events import (
+    CheckpointWritten,
+    EpochFinished,
+    Event,
+    PeerLost,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    RunStopped,
+)
 
 __all__ = ["LoggingReporter", "describe_epoch"]
 
@@ -26,28 +42,52 @@ def describe_epoch(event: EpochFinished) -> str:
     return text
 
 
+def _describe(event: Event) -> tuple[int, str] | None:
+    """The level offset (0: the reporter's level; ERROR/WARNING/DEBUG as is) and text of an event."""
+    if isinstance(event, EpochFinished):
+        return 0, describe_epoch(event)
+    if isinstance(event, RunStarted):
+        return 0, f"training on {event.nranks} rank(s) from epoch {event.epoch} to {event.max_epochs}"
+    if isinstance(event, RunFinished):
+        return 0, f"finished after epoch {event.state.epoch - 1}"
+    if isinstance(event, RunStopped):
+        return 0, event.message
+    if isinstance(event, PeerLost):
+        return logging.WARNING, f"lost rank {event.rank} ({event.how})"
+    if isinstance(event, RunFailed):
+        return logging.ERROR, f"training failed: {event.error}"
+    if isinstance(event, CheckpointWritten):
+        where = f" in {event.path}" if event.path else ""
+        return logging.DEBUG, f"checkpoint of epoch {event.epoch} step {event.steps_done}{where}"
+    return None
+
+
 class LoggingReporter:
-    """Logs each event at ``level`` (INFO by default) on ``logger``."""
+    """Logs a run's epochs, start and end at ``level`` (INFO by default) on ``logger``.
+
+    Warnings (a lost rank) and errors (the run failed) keep their own levels; progress
+    samples are not logged.
+    """
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
         self.logger = logger if logger is not None else logging.getLogger("lamploop")
         self.level = level
+        self._fallback = logging.StreamHandler(sys.stderr)
+        self._fallback.setFormatter(logging.Formatter("lamploop: %(message)s"))
 
     def report(self, event: Event) -> None:
-        if isinstance(event, EpochFinished):
-            self.logger.log(self.level, "%s", describe_epoch(event))
-        elif isinstance(event, RunStarted):
-            self.logger.log(
-                self.level,
-                "training on %d rank(s) from epoch %d to %d",
-                event.nranks,
-                event.epoch,
-                event.max_epochs,
-            )
-        elif isinstance(event, RunFinished):
-            self.logger.log(self.level, "finished after epoch %d", event.state.epoch - 1)
-        elif isinstance(event, RunFailed):
-            self.logger.error("training failed: %s", event.error)
+        described = _describe(event)
+        if described is None:
+            return
+        level, text = described
+        level = level or self.level
+        if self.logger.hasHandlers():
+            self.logger.log(level, "%s", text)
+        elif level >= self.level and level > logging.DEBUG:
+            # Nothing configured: say it on stderr ourselves (the root logger's last resort
+            # would drop INFO), without touching the application's logging set-up.
+            self._fallback.stream = sys.stderr  # whatever stderr is now (pytest swaps it)
+            self._fallback.handle(self.logger.makeRecord(self.logger.name, level, "", 0, text, (), None))
 
     def __repr__(self) -> str:
         return f"LoggingReporter({self.logger.name!r})"

@@ -89,6 +89,8 @@ class Collectives:
         self.timeout = timeout
         self.abort = abort if abort is not None else AbortSignal()
         self.stats_device = device if device.type == "cuda" else torch.device("cpu")
+        # Seconds this rank spent blocked in wait(): the communication compute did not hide.
+        self.wait_seconds = 0.0
         # Started and not yet waited for, with their tensors: what a failed run abandons.
         self._in_flight: dict[int, tuple[Work, list[torch.Tensor]]] = {}
 
@@ -125,6 +127,13 @@ class Collectives:
             WaitAborted: the abort signal was set.
             DistributedError: the collective failed (a peer died) or outlasted the timeout.
         """
+        began = time.perf_counter()
+        try:
+            self._wait(work, what)
+        finally:
+            self.wait_seconds += time.perf_counter() - began
+
+    def _wait(self, work: Work, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if self.abort.is_set():

@@ -1,0 +1,213 @@
+"""The events a run reports: their order, their numbers, and how a run that fails or stops ends.
+
+Real runs: ``fit`` in this process for one rank, and a real two-process run (lamploop's
+own launcher) whose root writes every event to a file (``tests/workers/events_fit.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import lamploop
+from lamploop.errors import NonFiniteLossError, TrainingInterrupted
+from lamploop.reporting import events as ev
+from lamploop.reporting import sampler
+from tests.workers import events_fit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.closed = 0
+
+    def report(self, event: ev.Event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def _fit(recorder: Recorder, tmp_path: Path, **overrides: Any) -> lamploop.LoopState | None:
+    x, y = events_fit.data()
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    n = events_fit.N_TRAIN
+    kwargs: dict[str, Any] = {
+        "model": lamploop.SupervisedModel(module, lamploop.cross_entropy_loss),
+        "optimizer_factory": lambda params: torch.optim.SGD(params, lr=0.1),
+        "train_batches": lamploop.tensor_batches(x[:n], y[:n], batch_size=16),
+        "validation_batches": lamploop.tensor_batches(x[n:], y[n:], batch_size=64, shuffle=False),
+        "max_epochs": 3,
+        "learning_rate_schedule": lamploop.linear(start=1.0, end=0.5, max_steps=3),
+        "checkpoint_dir": tmp_path / "checkpoints",
+        "reporters": [recorder],
+        "world_size": 1,
+    }
+    kwargs.update(overrides)
+    return lamploop.fit(**kwargs)
+
+
+def test_one_rank_reports_every_event_in_order_with_exact_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sampler, "DEFAULT_PROGRESS_INTERVAL_S", 0.0)  # a sample after every step
+    recorder = Recorder()
+    state = _fit(recorder, tmp_path)
+    assert state is not None
+    kinds = [type(e).__name__ for e in recorder.events]
+    assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
+    assert recorder.closed == 1
+    per_epoch = "".join(
+        {"EpochStarted": "S", "ProgressSampled": "p", "ValidationFinished": "V", "EpochFinished": "E"}.get(
+            k, ""
+        )
+        + ("C" if k == "CheckpointWritten" else "")
+        for k in kinds
+    )
+    assert per_epoch == ("S" + "p" * 24 + "VEC") * 3  # 384 examples / 16 = 24 steps per epoch
+    started = recorder.of(ev.EpochStarted)
+    assert [e.expected_steps for e in started] == [None, 24, 24]
+    assert [e.learning_rate_factor for e in started] == pytest.approx([1.0, 1 - 0.5 / 3, 1 - 1 / 3])
+    finished = recorder.of(ev.EpochFinished)
+    assert [(e.steps, e.examples) for e in finished] == [(24, 384)] * 3
+    for epoch, done in enumerate(finished):
+        entry = done.state.learning_curve[-1]
+        assert entry.learning_rate_factor == started[epoch].learning_rate_factor
+        samples = [s for s in recorder.of(ev.ProgressSampled) if s.epoch == epoch]
+        # The samples' losses, weighted by their examples, add up to the epoch's training loss.
+        weighted, previous = 0.0, 0
+        for s in samples:
+            weighted += s.loss * (s.examples - previous)
+            previous = s.examples
+        assert weighted / previous == pytest.approx(entry.training_loss, rel=1e-9)
+        assert [s.steps_done for s in samples] == list(range(1, 25))
+        assert all(s.steps == 1 and s.seconds_per_step > 0 and s.examples_per_second > 0 for s in samples)
+        validated = recorder.of(ev.ValidationFinished)[epoch]
+        assert validated.loss == entry.validation_loss[1]  # type: ignore[index]
+    totals = [s.total_examples for s in recorder.of(ev.ProgressSampled)]
+    assert totals == [16 * i for i in range(1, 73)]
+    written = recorder.of(ev.CheckpointWritten)
+    assert [(c.epoch, c.steps_done) for c in written] == [(1, 0), (2, 0), (3, 0)]
+    assert all(c.path is not None and Path(c.path).is_dir() for c in written)
+
+
+def test_a_failing_run_reports_the_failure_last_and_closes_the_reporters(tmp_path: Path) -> None:
+    x, y = events_fit.data()
+    x = x.clone()
+    x[100] = math.nan  # batch 6 of the first epoch (unshuffled): a NaN loss
+    n = events_fit.N_TRAIN
+    recorder = Recorder()
+    with pytest.raises(NonFiniteLossError):
+        _fit(
+            recorder,
+            tmp_path,
+            train_batches=lamploop.tensor_batches(x[:n], y[:n], batch_size=16, shuffle=False),
+        )
+    kinds = [type(e).__name__ for e in recorder.events]
+    assert kinds[:2] == ["RunStarted", "EpochStarted"]
+    assert kinds[-1] == "RunFailed" and "NonFiniteLossError" in recorder.events[-1].error
+    assert "RunFinished" not in kinds
+    assert recorder.closed == 1
+
+
+def test_a_stopped_run_reports_its_checkpoint_then_the_stop(tmp_path: Path) -> None:
+    x, y = events_fit.data()
+    n = events_fit.N_TRAIN
+    inner = lamploop.tensor_batches(x[:n], y[:n], batch_size=16)
+
+    def interrupted(context: lamploop.BatchContext) -> Any:
+        async def stream() -> Any:
+            async for i, batch in _enumerate(inner(context)):
+                if context.epoch == 1 and i == 5:
+                    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, inside the epoch
+                    await anyio.sleep(0.05)  # the signal's handler runs on the event loop
+                yield batch
+
+        return stream()
+
+    recorder = Recorder()
+    with pytest.raises(TrainingInterrupted):
+        _fit(recorder, tmp_path, train_batches=interrupted)
+    stopped = recorder.events[-1]
+    assert isinstance(stopped, ev.RunStopped) and stopped.reason == "SIGINT"
+    last_checkpoint = recorder.events[-2]
+    assert isinstance(last_checkpoint, ev.CheckpointWritten)
+    assert last_checkpoint.epoch == 1 and 5 <= last_checkpoint.steps_done <= 7
+    assert recorder.closed == 1
+
+
+async def _enumerate(stream: Any) -> Any:
+    i = 0
+    async for item in stream:
+        yield i, item
+        i += 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_ranks_report_peers_progress_and_communication_time(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "tests/workers/events_fit.py"), str(out), "--world-size", "2"]
+    done = subprocess.run(
+        [*command, "--batch-sleep", "0.05"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = list(events_fit.iter_events(out / "events.jsonl"))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["RunStarted", "PeerJoined"] and events[1]["rank"] == 1
+    assert kinds[-2:] == ["RunFinished", "closed"]
+    finished = [e for e in events if e["type"] == "EpochFinished"]
+    # 384 examples in batches of 16 shared by 2 ranks: 12 steps of 32 examples per epoch.
+    assert [(e["steps"], e["examples"]) for e in finished] == [(12, 384)] * 3
+    samples = [e for e in events if e["type"] == "ProgressSampled"]
+    assert len(samples) >= 3  # every epoch's first step, and every 0.5 s of the 0.6 s epochs
+    assert all(s["examples"] % 32 == 0 and 0 < s["examples"] <= 384 for s in samples)
+    assert all(0 <= s["communication_seconds_per_step"] <= s["seconds_per_step"] for s in samples)
+    # The follower sleeps as long as the root: the root waits on collectives, a little.
+    assert any(s["communication_seconds_per_step"] > 0 for s in samples)
+
+
+def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import torch, lamploop
+        x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+        lamploop.fit(
+            model=lamploop.SupervisedModel(torch.nn.Linear(4, 2), lamploop.cross_entropy_loss),
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+            train_batches=lamploop.tensor_batches(x, y, batch_size=16),
+            max_epochs=2,
+            checkpoint_dir={str(tmp_path / "c")!r},
+        )
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = done.stderr.splitlines()
+    assert lines[0] == "lamploop: training on 1 rank(s) from epoch 0 to 2"
+    assert lines[1].startswith("lamploop: epoch 0: train loss ")
+    assert lines[2].startswith("lamploop: epoch 1: train loss ")
+    assert lines[3] == "lamploop: finished after epoch 1"
+    assert len(lines) == 4 and done.stdout == ""

@@ -71,7 +71,8 @@ def test_one_rank_reports_every_event_in_order_with_exact_numbers(
     state = _fit(recorder, tmp_path)
     assert state is not None
     kinds = [type(e).__name__ for e in recorder.events]
-    assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
+    assert kinds[0] == "RunStarted"
+    assert kinds[-1] == "RunFinished"
     assert recorder.closed == 1
     per_epoch = "".join(
         {"EpochStarted": "S", "ProgressSampled": "p", "ValidationFinished": "V", "EpochFinished": "E"}.get(
@@ -121,7 +122,8 @@ def test_a_failing_run_reports_the_failure_last_and_closes_the_reporters(tmp_pat
         )
     kinds = [type(e).__name__ for e in recorder.events]
     assert kinds[:2] == ["RunStarted", "EpochStarted"]
-    assert kinds[-1] == "RunFailed" and "NonFiniteLossError" in recorder.events[-1].error
+    assert kinds[-1] == "RunFailed"
+    assert "NonFiniteLossError" in recorder.events[-1].error
     assert "RunFinished" not in kinds
     assert recorder.closed == 1
 
@@ -145,10 +147,12 @@ def test_a_stopped_run_reports_its_checkpoint_then_the_stop(tmp_path: Path) -> N
     with pytest.raises(TrainingInterrupted):
         _fit(recorder, tmp_path, train_batches=interrupted)
     stopped = recorder.events[-1]
-    assert isinstance(stopped, ev.RunStopped) and stopped.reason == "SIGINT"
+    assert isinstance(stopped, ev.RunStopped)
+    assert stopped.reason == "SIGINT"
     last_checkpoint = recorder.events[-2]
     assert isinstance(last_checkpoint, ev.CheckpointWritten)
-    assert last_checkpoint.epoch == 1 and 5 <= last_checkpoint.steps_done <= 7
+    assert last_checkpoint.epoch == 1
+    assert 5 <= last_checkpoint.steps_done <= 7
     assert recorder.closed == 1
 
 
@@ -175,7 +179,8 @@ def test_two_ranks_report_peers_progress_and_communication_time(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     events = list(events_fit.iter_events(out / "events.jsonl"))
     kinds = [e["type"] for e in events]
-    assert kinds[:2] == ["RunStarted", "PeerJoined"] and events[1]["rank"] == 1
+    assert kinds[:2] == ["RunStarted", "PeerJoined"]
+    assert events[1]["rank"] == 1
     assert kinds[-2:] == ["RunFinished", "closed"]
     finished = [e for e in events if e["type"] == "EpochFinished"]
     # 384 examples in batches of 16 shared by 2 ranks: 12 steps of 32 examples per epoch.
@@ -210,4 +215,5 @@ def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path)
     assert lines[1].startswith("lamploop: epoch 0: train loss ")
     assert lines[2].startswith("lamploop: epoch 1: train loss ")
     assert lines[3] == "lamploop: finished after epoch 1"
-    assert len(lines) == 4 and done.stdout == ""
+    assert len(lines) == 4
+    assert done.stdout == ""

@@ -67,7 +67,7 @@ def slow(factory: lamploop.BatchStreamFactory, seconds: float) -> lamploop.Batch
     def make(context: lamploop.BatchContext) -> Any:
         async def stream() -> Any:
             async for batch in factory(context):
-                time.sleep(seconds)  # compute-like: the thread is busy, not the event loop idle
+                time.sleep(seconds)  # noqa: ASYNC251 (compute-like: a busy thread, not an idle one)
                 yield batch
 
         return stream()

@@ -17,6 +17,7 @@ __all__ = [
     "FrameError",
     "HandshakeError",
     "LamploopError",
+    "MissingDependencyError",
     "NonFiniteLossError",
     "PeerLostError",
     "TrainingInterrupted",
@@ -29,6 +30,13 @@ class LamploopError(Exception):
 
 class ConfigurationError(LamploopError, ValueError):
     """An argument is out of range or arguments contradict each other."""
+
+
+class MissingDependencyError(ConfigurationError):
+    """An optional dependency (an extra) is not installed; the message gives the pip command.
+
+    Example: ``ProgressReporter()`` without rich says ``pip install "lamploop[progress]"``.
+    """
 
 
 class BatchError(LamploopError, ValueError):

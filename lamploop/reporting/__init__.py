@@ -2,23 +2,60 @@
 
 A :class:`Reporter` receives :data:`Event` values (frozen attrs data) on the root rank;
 :class:`LoggingReporter`, the default of :func:`lamploop.fit`, writes one log line per
-epoch on the ``"lamploop"`` logger.  Other reporters (progress bars, TensorBoard,
-Prometheus, CSV) are modules of their own behind the same protocol.
+epoch on the ``"lamploop"`` logger.  The other reporters, each in a module of its own:
+
+* :class:`ProgressReporter`: live progress bars on a terminal, plain lines elsewhere
+  (needs ``lamploop[progress]``);
+* :class:`TensorBoardReporter`: TensorBoard scalars (needs ``lamploop[tensorboard]``);
+* :class:`PrometheusReporter`: Prometheus metrics over HTTP (needs ``lamploop[prometheus]``);
+* :class:`MetricsFileReporter`: one CSV or JSON-lines row per epoch.
+
+Their optional dependencies are imported when a reporter is made, never by
+``import lamploop``; a missing one raises :class:`~lamploop.errors.MissingDependencyError`
+with the ``pip install`` command.
 
 .. versionadded:: 0.2
 """
 
-from lamploop.reporting.events import EpochFinished, Event, RunFailed, RunFinished, RunStarted
+from lamploop.reporting.events import (
+    CheckpointWritten,
+    EpochFinished,
+    EpochStarted,
+    Event,
+    PeerJoined,
+    PeerLost,
+    ProgressSampled,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    RunStopped,
+    ValidationFinished,
+)
 from lamploop.reporting.logging_reporter import LoggingReporter
+from lamploop.reporting.metrics_file import MetricsFileReporter
+from lamploop.reporting.progress import ProgressReporter
+from lamploop.reporting.prometheus import PrometheusReporter
 from lamploop.reporting.reporter import Reporter, report_all
+from lamploop.reporting.tensorboard import TensorBoardReporter
 
 __all__ = [
+    "CheckpointWritten",
     "EpochFinished",
+    "EpochStarted",
     "Event",
     "LoggingReporter",
+    "MetricsFileReporter",
+    "PeerJoined",
+    "PeerLost",
+    "ProgressReporter",
+    "ProgressSampled",
+    "PrometheusReporter",
     "Reporter",
     "RunFailed",
     "RunFinished",
     "RunStarted",
+    "RunStopped",
+    "TensorBoardReporter",
+    "ValidationFinished",
     "report_all",
 ]

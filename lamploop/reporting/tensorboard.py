@@ -1,0 +1,121 @@
+"""``TensorBoardReporter``: a run's losses, metrics and speed as TensorBoard scalars.
+
+Progress samples are written at the run's global step (``ProgressSampled.total_steps``),
+epochs at the epoch; ``tensorboard --logdir <log_dir>`` shows them.  It needs the
+``tensorboard`` package (``pip install "lamploop[tensorboard]"``).
+
+>>> import tempfile
+>>> from lamploop.reporting import EpochFinished, TensorBoardReporter
+>>> from lamploop.state import LearningCurveEntry, LoopState
+>>> log_dir = tempfile.mkdtemp()
+>>> board = TensorBoardReporter(log_dir)  # the event file is made at the first event
+>>> state = LoopState(epoch=1, learning_curve=[LearningCurveEntry(0, 0.5, validation_loss=(0.6, 0.7))])
+>>> board.report(EpochFinished(state, seconds=2.0, steps=10, examples=640))
+>>> board.close()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lamploop.errors import ConfigurationError, MissingDependencyError
+from lamploop.reporting.events import CheckpointWritten, EpochFinished, Event, ProgressSampled
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["TensorBoardReporter"]
+
+
+class TensorBoardReporter:
+    """Writes a run's events as TensorBoard scalars under ``log_dir``.
+
+    Args:
+        log_dir: the directory of the event files (made at the first event).
+        flush_secs: how often the writer flushes on its own, besides after each epoch.
+
+    ``ProgressSampled``, at step ``total_steps``: ``train/loss_sampled`` (when a step
+    finished since the previous sample), ``perf/examples_per_second``, and when it counts
+    steps ``perf/step_seconds`` and ``perf/communication_seconds`` (per step).
+
+    ``EpochFinished``, at step ``epoch``: ``train/loss``, ``validation/loss`` (raw) and
+    ``validation/loss_smoothed`` (epochs that validated), ``train/<metric>``,
+    ``validation/<metric>`` (raw) and ``validation/<metric>_smoothed``,
+    ``schedule/learning_rate_factor`` (when recorded) and ``perf/epoch_seconds``; then the
+    writer flushes.
+
+    ``CheckpointWritten``: ``checkpoint/seconds`` at the latest sample's ``total_steps``
+    (0 before any).  Other events write nothing.
+
+    Raises:
+        MissingDependencyError: tensorboard is not installed.
+        ConfigurationError: ``flush_secs`` is not positive.
+    """
+
+    def __init__(self, log_dir: str | Path, *, flush_secs: float = 10) -> None:
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard may be cached without it)
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            msg = 'TensorBoardReporter needs tensorboard: pip install "lamploop[tensorboard]"'
+            raise MissingDependencyError(msg) from exc
+        if not flush_secs > 0:
+            msg = f"TensorBoardReporter: flush_secs must be > 0, got {flush_secs!r}"
+            raise ConfigurationError(msg)
+        self.log_dir = Path(log_dir)
+        self.flush_secs = float(flush_secs)
+        self._writer: SummaryWriter | None = None
+        self._closed = False
+        self._global_step = 0
+
+    def _get_writer(self) -> SummaryWriter:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.log_dir), flush_secs=self.flush_secs)
+        return self._writer
+
+    def report(self, event: Event) -> None:
+        """Write the scalars of ``event`` (see the class docstring); nothing after :meth:`close`."""
+        if self._closed:
+            return
+        if isinstance(event, ProgressSampled):
+            add, step = self._get_writer().add_scalar, event.total_steps
+            self._global_step = step
+            if event.loss is not None:
+                add("train/loss_sampled", event.loss, step, event.time)
+            add("perf/examples_per_second", event.examples_per_second, step, event.time)
+            if event.steps > 0:
+                add("perf/step_seconds", event.seconds_per_step, step, event.time)
+                add("perf/communication_seconds", event.communication_seconds_per_step, step, event.time)
+        elif isinstance(event, EpochFinished):
+            writer = self._get_writer()
+            add, entry = writer.add_scalar, event.state.learning_curve[-1]
+            step = entry.epoch
+            add("train/loss", entry.training_loss, step, event.time)
+            if entry.validation_loss is not None:
+                smoothed, raw = entry.validation_loss
+                add("validation/loss", raw, step, event.time)
+                add("validation/loss_smoothed", smoothed, step, event.time)
+            for name, value in entry.training_metrics.items():
+                add(f"train/{name}", value, step, event.time)
+            for name, (smoothed, raw) in entry.validation_metrics.items():
+                add(f"validation/{name}", raw, step, event.time)
+                add(f"validation/{name}_smoothed", smoothed, step, event.time)
+            if entry.learning_rate_factor is not None:
+                add("schedule/learning_rate_factor", entry.learning_rate_factor, step, event.time)
+            add("perf/epoch_seconds", event.seconds, step, event.time)
+            writer.flush()
+        elif isinstance(event, CheckpointWritten):
+            self._get_writer().add_scalar("checkpoint/seconds", event.seconds, self._global_step, event.time)
+
+    def close(self) -> None:
+        """Flush and close the event file (calling it again does nothing)."""
+        self._closed = True
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardReporter({str(self.log_dir)!r})"

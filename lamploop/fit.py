@@ -59,7 +59,7 @@ from lamploop.modelspec import model_spec
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import CheckpointWritten, PeerLost, RunFailed, RunStopped
 from lamploop.reporting.logging_reporter import LoggingReporter
-from lamploop.reporting.reporter import Reporter, close_all
+from lamploop.reporting.reporter import Reporter, close_all, start_all
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -324,9 +324,9 @@ async def fit_async(
         **attrs.asdict(settings, recurse=False),
     )
     try:
-        return await _reported(
-            _drive_with_followers(drive, place, spec, heartbeat, launch_command), stop, emit
-        )
+        start_all(listeners)
+        run = _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+        return await _reported(run, stop, emit)
     finally:
         close_all(listeners)
 

@@ -6,12 +6,17 @@ own launcher) whose root writes every event to a file (``tests/workers/events_fi
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -163,20 +168,50 @@ async def _enumerate(stream: Any) -> Any:
         i += 1
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_two_ranks_report_peers_progress_and_communication_time(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+@pytest.mark.timeout(150)
+def test_two_ranks_report_to_prometheus_tensorboard_and_csv_while_training(tmp_path: Path) -> None:
+    """A real 2-process run: scrape its Prometheus endpoint while it trains, then read the
+    TensorBoard event file and the CSV back, and the events the root heard."""
+    out, port = tmp_path / "run", _free_port()
     command = [sys.executable, str(ROOT / "tests/workers/events_fit.py"), str(out), "--world-size", "2"]
-    done = subprocess.run(
-        [*command, "--batch-sleep", "0.05"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    command += ["--epochs", "4", "--batch-sleep", "0.05", "--prometheus-port", str(port)]
+    command += ["--tensorboard", str(tmp_path / "tb"), "--metrics-file", str(tmp_path / "curve.csv")]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    scrapes: list[dict[str, float]] = []
+    try:
+        deadline = time.monotonic() + 100
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # not serving yet, or already closed
+                scrapes.append(_scrape(port))
+            time.sleep(0.1)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, err[-3000:]
+    # The counters moved while it trained, never backwards, and the peers were both there.
+    steps = [s["lamploop_steps_total"] for s in scrapes]
+    assert len(set(steps)) >= 3, steps
+    assert steps == sorted(steps)
+    assert max(s["lamploop_peers_alive"] for s in scrapes) == 2
+    assert max(s["lamploop_examples_total"] for s in scrapes) <= 4 * 384
+
     events = list(events_fit.iter_events(out / "events.jsonl"))
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["RunStarted", "PeerJoined"]
@@ -184,13 +219,28 @@ def test_two_ranks_report_peers_progress_and_communication_time(tmp_path: Path) 
     assert kinds[-2:] == ["RunFinished", "closed"]
     finished = [e for e in events if e["type"] == "EpochFinished"]
     # 384 examples in batches of 16 shared by 2 ranks: 12 steps of 32 examples per epoch.
-    assert [(e["steps"], e["examples"]) for e in finished] == [(12, 384)] * 3
+    assert [(e["steps"], e["examples"]) for e in finished] == [(12, 384)] * 4
     samples = [e for e in events if e["type"] == "ProgressSampled"]
-    assert len(samples) >= 3  # every epoch's first step, and every 0.5 s of the 0.6 s epochs
     assert all(s["examples"] % 32 == 0 and 0 < s["examples"] <= 384 for s in samples)
     assert all(0 <= s["communication_seconds_per_step"] <= s["seconds_per_step"] for s in samples)
     # The follower sleeps as long as the root: the root waits on collectives, a little.
     assert any(s["communication_seconds_per_step"] > 0 for s in samples)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    train_loss = [(s.step, s.value) for s in board.Scalars("train/loss")]
+    assert train_loss == [(e["epoch"], pytest.approx(e["training_loss"], rel=1e-6)) for e in finished]
+    factors = [s.value for s in board.Scalars("schedule/learning_rate_factor")]
+    assert factors == pytest.approx([e["learning_rate_factor"] for e in finished])
+    assert len(board.Scalars("perf/examples_per_second")) == len(samples)
+
+    with (tmp_path / "curve.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
+    assert [float(r["training_loss"]) for r in rows] == pytest.approx([e["training_loss"] for e in finished])
+    assert all(0 <= float(r["train_accuracy"]) <= 1 for r in rows)
 
 
 def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path) -> None:

@@ -279,6 +279,9 @@ def scrape(reporter: PrometheusReporter) -> dict[str, float]:
 def test_prometheus_counts_exactly_and_frees_its_port() -> None:
     reporter = PrometheusReporter(port=0)
     other = PrometheusReporter(port=0)  # a registry each: no clash
+    assert reporter.port is None  # bound at the first event: a follower, hearing none, never binds
+    reporter.start()
+    other.start()
     assert reporter.port != other.port
     other.close()
     events = run_events(RunFailed("PeerLostError: rank 2 died", time=T0 + 21))
@@ -333,6 +336,16 @@ def test_prometheus_counts_exactly_and_frees_its_port() -> None:
 def test_prometheus_rejects_a_bad_port() -> None:
     with pytest.raises(ConfigurationError, match="port"):
         PrometheusReporter(port=70000)
+
+
+def test_prometheus_on_a_port_in_use_fails_at_start_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        reporter = PrometheusReporter(port=port)
+        with pytest.raises(ConfigurationError, match=f"cannot serve on 127.0.0.1:{port}"):
+            reporter.start()
 
 
 # -- MetricsFileReporter ----------------------------------------------------------------------

@@ -192,10 +192,12 @@ class _RootEpochs:
         self.epoch_began = time.monotonic()
         if self.sampler is None:
             return
+        steps_done = examples_done = 0
         resume = self.replica.resume_at
-        steps_done = resume.steps_done if resume is not None and resume.epoch == self.next_epoch else 0
-        self.sampler.start_epoch(self.next_epoch, steps_done)
-        self.emit(EpochStarted(self.next_epoch, lr_factor, steps_done, self.epoch_steps))
+        if resume is not None and resume.epoch == self.next_epoch:
+            steps_done, examples_done = resume.steps_done, sum(resume.example_counts)
+        self.sampler.start_epoch(self.next_epoch, steps_done, examples_done)
+        self.emit(EpochStarted(self.next_epoch, lr_factor, steps_done, self.epoch_steps, examples_done))
 
     async def train(self, lr_factor: float) -> float:
         await self.tell(Train(epoch=self.next_epoch, lr_factor=lr_factor))

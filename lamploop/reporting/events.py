@@ -85,15 +85,16 @@ class PeerLost:
 class EpochStarted:
     """Epoch ``epoch`` starts training with the schedule's ``learning_rate_factor``.
 
-    ``steps_done`` is not 0 when the epoch resumes at a step-boundary checkpoint;
-    ``expected_steps`` is the previous epoch's step count (``None`` in the first epoch of a
-    run): a guess of the epoch's length for progress bars.
+    ``steps_done`` and ``examples_done`` (every rank's) are not 0 when the epoch resumes at
+    a step-boundary checkpoint; ``expected_steps`` is the previous epoch's step count
+    (``None`` in the first epoch of a run): a guess of the epoch's length for progress bars.
     """
 
     epoch: int
     learning_rate_factor: float
     steps_done: int = 0
     expected_steps: int | None = None
+    examples_done: int = 0
     time: float = attrs.field(factory=_now, kw_only=True)
 
 
@@ -103,8 +104,8 @@ class ProgressSampled:
 
     Attributes:
         epoch: the epoch in progress.
-        steps_done: optimizer steps done in the epoch so far.
-        examples: examples of every rank trained on in the epoch so far.
+        steps_done: optimizer steps done in the epoch so far (a resumed epoch's included).
+        examples: examples of every rank trained on in the epoch so far (likewise).
         loss: the mean training loss per example over the steps since the previous sample
             (every rank's), or ``None`` when no step finished since.
         steps: the steps since the previous sample (0 in none).
@@ -144,8 +145,9 @@ class ValidationFinished:
 class EpochFinished:
     """An epoch ended; ``state.learning_curve[-1]`` is what it measured.
 
-    ``seconds``: its wall-clock time (training and validation); ``steps`` and ``examples``:
-    the optimizer steps it took and the examples of every rank it trained on.
+    ``seconds``: its wall-clock time (training and validation) in this process; ``steps``
+    and ``examples``: the optimizer steps it took and the examples of every rank it trained
+    on (a resumed epoch's: those before the checkpoint included).
     """
 
     state: LoopState

@@ -4,11 +4,14 @@ The reporter serves ``/metrics`` from a thread of its own, from its own registry
 reporters in a process do not clash), on ``127.0.0.1`` by default.  It needs
 prometheus_client (``pip install "lamploop[prometheus]"``).
 
+The port is bound at the first event (or by :meth:`PrometheusReporter.start`): every rank
+of a run builds the same reporters, and only the root, which hears the events, serves.
+
 >>> from lamploop.reporting import PrometheusReporter, RunStarted
 >>> prometheus = PrometheusReporter(port=0)  # any free port
+>>> prometheus.report(RunStarted(nranks=1, epoch=0, max_epochs=3))
 >>> prometheus.url.startswith("http://127.0.0.1:")
 True
->>> prometheus.report(RunStarted(nranks=1, epoch=0, max_epochs=3))
 >>> prometheus.close()
 """
 
@@ -57,7 +60,8 @@ class PrometheusReporter:
     Counters: ``lamploop_steps_total`` and ``lamploop_examples_total`` advance with each
     ``ProgressSampled`` by what it adds to its epoch's ``steps_done``/``examples``, and at
     ``EpochFinished`` by what the samples missed of that epoch's ``steps``/``examples`` (so
-    they then equal the sums over the finished epochs); ``lamploop_epochs_total`` counts
+    they then count exactly the steps and examples this process trained: a resumed epoch's
+    steps before its checkpoint are not counted again); ``lamploop_epochs_total`` counts
     ``EpochFinished``, ``lamploop_checkpoints_total`` ``CheckpointWritten``.
 
     Gauges: ``lamploop_loss`` (the latest sampled training loss), ``lamploop_step_seconds``,
@@ -88,7 +92,7 @@ class PrometheusReporter:
         namespace: str = "lamploop",
     ) -> None:
         try:
-            import prometheus_client
+            import prometheus_client  # noqa: F401 (fail here, not at the first event)
         except ImportError as exc:
             msg = 'PrometheusReporter needs prometheus_client: pip install "lamploop[prometheus]"'
             raise MissingDependencyError(msg) from exc
@@ -131,6 +135,11 @@ class PrometheusReporter:
         )
         self.run_state = gauge("run_state", "0 running, 1 finished, 2 stopped, 3 failed.")
 
+        self._port = port
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        """The port the server listens on, once started (the one picked when ``port`` was 0)."""
         self._since = time.monotonic()  # the last checkpoint, or the run's start
         self.seconds_since_checkpoint.set_function(lambda: time.monotonic() - self._since)
         # Per epoch: where its counting starts, and what was counted of it.
@@ -140,29 +149,38 @@ class PrometheusReporter:
         self._epoch_steps = 0
         self._epoch_examples = 0
 
+    def start(self) -> None:
+        """Start serving (the first event does it; calling it again does nothing).
+
+        Raises:
+            ConfigurationError: the port cannot be bound.
+        """
+        if self.port is not None:
+            return
+        import prometheus_client
+
         try:
-            served = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+            served = prometheus_client.start_http_server(self._port, addr=self.host, registry=self.registry)
         except OSError as exc:
-            msg = f"PrometheusReporter: cannot serve on {host}:{port}: {exc}"
+            msg = f"PrometheusReporter: cannot serve on {self.host}:{self._port}: {exc}"
             raise ConfigurationError(msg) from exc
         if not isinstance(served, tuple):  # prometheus_client < 0.17 gives no handle to stop it
             msg = 'PrometheusReporter needs prometheus_client >= 0.17: pip install "lamploop[prometheus]"'
             raise MissingDependencyError(msg)
-        self._server: WSGIServer | None = served[0]
-        self._thread: threading.Thread | None = served[1]
-        self.port: int = self._server.server_port
-        """The port the server listens on (the one picked when ``port`` was 0)."""
+        self._server, self._thread = served
+        self.port = self._server.server_port
 
     @property
     def url(self) -> str:
-        """``http://host:port/metrics``."""
+        """``http://host:port/metrics`` (once started)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
-    def _start_epoch(self, epoch: int, steps_done: int) -> None:
+    def _start_epoch(self, epoch: int, steps_done: int = 0, examples_done: int = 0) -> None:
+        # A resumed epoch: what it did before the checkpoint counted in an earlier process.
         self._counted_epoch = epoch
-        self._last_steps_done, self._last_examples = steps_done, 0
-        self._epoch_steps = self._epoch_examples = 0
+        self._last_steps_done, self._last_examples = steps_done, examples_done
+        self._epoch_steps, self._epoch_examples = steps_done, examples_done
 
     def _count(self, steps: int, examples: int) -> None:
         if steps > 0:
@@ -173,10 +191,11 @@ class PrometheusReporter:
             self._epoch_examples += examples
 
     def report(self, event: Event) -> None:
-        """Update the metrics from ``event`` (see the class docstring)."""
+        """Update the metrics from ``event`` (see the class docstring); serve from the first on."""
+        self.start()
         if isinstance(event, ProgressSampled):
             if event.epoch != self._counted_epoch:  # no EpochStarted seen for it
-                self._start_epoch(event.epoch, 0)
+                self._start_epoch(event.epoch)
             self._count(event.steps_done - self._last_steps_done, event.examples - self._last_examples)
             self._last_steps_done = max(self._last_steps_done, event.steps_done)
             self._last_examples = max(self._last_examples, event.examples)
@@ -187,7 +206,7 @@ class PrometheusReporter:
                 self.communication_seconds.set(event.communication_seconds_per_step)
             self.examples_per_second.set(event.examples_per_second)
         elif isinstance(event, EpochStarted):
-            self._start_epoch(event.epoch, event.steps_done)
+            self._start_epoch(event.epoch, event.steps_done, event.examples_done)
             self.epoch.set(event.epoch)
             self.learning_rate_factor.set(event.learning_rate_factor)
         elif isinstance(event, EpochFinished):
@@ -218,7 +237,7 @@ class PrometheusReporter:
     def _epoch_finished(self, event: EpochFinished) -> None:
         entry = event.state.learning_curve[-1]
         if entry.epoch != self._counted_epoch:
-            self._start_epoch(entry.epoch, 0)
+            self._start_epoch(entry.epoch)
         # What the samples did not see of the epoch (its last steps, usually).
         self._count(event.steps - self._epoch_steps, event.examples - self._epoch_examples)
         self._counted_epoch = None  # a sample of this epoch after it finished would count afresh

@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from lamploop.reporting.events import Event
 
-__all__ = ["Reporter", "close_all", "report_all"]
+__all__ = ["Reporter", "close_all", "report_all", "start_all"]
 
 logger = logging.getLogger("lamploop")
 
@@ -19,8 +19,10 @@ class Reporter(Protocol):
 
     ``report`` is called on the root rank's event-loop thread, one event at a time, in
     the order the events happened; it must be quick (it runs between training steps, or
-    between epochs).  A reporter may also have a ``close()`` method: it is called once
-    when the run ends, however it ends (after the last event).
+    between epochs).  A reporter may also have a ``start()`` method, which :func:`lamploop.fit`
+    calls on the root before training (an error there stops the run before it starts: a
+    port in use, a file that cannot be written), and a ``close()`` method, called once when
+    the run ends, however it ends (after the last event), on every rank.
     """
 
     def report(self, event: Event) -> None:
@@ -35,6 +37,14 @@ def report_all(reporters: Iterable[Reporter], event: Event) -> None:
             reporter.report(event)
         except Exception:  # a broken reporter must not lose the training run
             logger.exception("reporter %r failed on %s", reporter, type(event).__name__)
+
+
+def start_all(reporters: Iterable[Reporter]) -> None:
+    """Call ``start()`` on every reporter that has one; an error there is raised (nothing ran yet)."""
+    for reporter in reporters:
+        start = getattr(reporter, "start", None)
+        if callable(start):
+            start()
 
 
 def close_all(reporters: Iterable[Reporter]) -> None:

@@ -60,9 +60,10 @@ class ProgressSampler:
         self._window_loss = 0.0
         self._window_device_losses: list[torch.Tensor] = []
 
-    def start_epoch(self, epoch: int, steps_done: int = 0) -> None:
-        """Epoch ``epoch`` starts (or resumes after ``steps_done`` steps): the next step is sampled."""
-        self.epoch, self.steps_done, self.examples = epoch, steps_done, 0
+    def start_epoch(self, epoch: int, steps_done: int = 0, examples_done: int = 0) -> None:
+        """Epoch ``epoch`` starts (or resumes after ``steps_done`` steps and ``examples_done``
+        examples of every rank): the next step is sampled."""
+        self.epoch, self.steps_done, self.examples = epoch, steps_done, examples_done
         now = time.monotonic()
         self._reset_window(now)
         self._due = now  # the first step makes a sample: the bar moves at once

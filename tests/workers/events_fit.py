@@ -40,6 +40,7 @@ class EventFile:
             fields[name] = value.epoch if isinstance(value, lamploop.LoopState) else value
         if isinstance(event, (lamploop.reporting.EpochFinished, lamploop.reporting.RunFinished)):
             entry = event.state.learning_curve[-1]
+            fields["epoch"] = entry.epoch
             fields["training_loss"] = entry.training_loss
             fields["learning_rate_factor"] = entry.learning_rate_factor
         with self.path.open("a") as f:

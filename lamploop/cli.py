@@ -1,9 +1,24 @@
 """The ``lamploop`` command.
 
+Subcommands::
+
+    lamploop demo [--out DIR] [--epochs N] [--batch-size N] [--world-size N] [--seed N]
+                  [--learning-rate LR] [--hidden-sizes N,N...]
+    lamploop demo --resume DIR [--epochs N]      resume with DIR/config.json's settings
+    lamploop inspect CKPT                        a checkpoint's state, learning curve and files
+    lamploop plot CKPT -o curve.png [--title T]  the learning curve as a PNG (needs matplotlib)
+
+``CKPT`` is a checkpoint directory or a run directory (then its latest valid checkpoint).
+``demo`` saves its settings in ``DIR/config.json``; run again in the same directory, a
+flag that disagrees with them is refused, naming it (``--epochs`` may be raised).
+
 Exit statuses: 0 done; 1 training failed (one line on stderr says why: a lost rank, a bad
-batch, a corrupt checkpoint...); 2 bad command-line arguments; 130 stopped by SIGINT
-(Ctrl-C) and 143 by SIGTERM, after the step in progress and a checkpoint there (run the
-same command again to resume at that step; a second signal stops at once).
+batch, a corrupt checkpoint, a flag that disagrees with the saved configuration...), or
+``inspect`` found something wrong (the report on stdout, one line per bad file on stderr),
+or ``plot`` could not read the checkpoint or has no matplotlib; 2 bad command-line
+arguments; 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after the step in progress
+and a checkpoint there (run the same command again to resume at that step; a second
+signal stops at once).
 A failed distributed run exits with its status at once, also when a collective is stuck
 (see :mod:`lamploop.distributed.abandon`).
 """
@@ -26,6 +41,18 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
+def _hidden_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        msg = f"expected comma-separated integers like 128,64, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if any(size < 1 for size in sizes):
+        msg = f"every hidden size must be >= 1, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return sizes
+
+
 def _parser() -> argparse.ArgumentParser:
     from lamploop import __version__
 
@@ -34,16 +61,96 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lamploop {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits and leave checkpoints")
-    demo.add_argument("--epochs", type=int, default=30, help="epochs in all (default: 30)")
-    demo.add_argument(
-        "--out", type=Path, default=Path("runs/demo"), help="checkpoint directory (default: runs/demo)"
+    demo = commands.add_parser(
+        "demo",
+        help="train an MLP on scikit-learn's digits and leave checkpoints",
+        description="Train an MLP on scikit-learn's digits, checkpointing into --out; its settings are "
+        "saved there as config.json. Run again in the same directory, it resumes; a flag that "
+        "disagrees with the saved settings is refused (--epochs may be raised).",
     )
-    demo.add_argument("--batch-size", type=int, default=32, help="examples per batch (default: 32)")
-    demo.add_argument("--world-size", type=int, default=2, help="local ranks, one process each (default: 2)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling")
+    # Flags default to None: a flag left out takes the saved value when resuming.
+    demo.add_argument("--epochs", type=int, help="epochs in all (default: 30)")
+    where = demo.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, help="checkpoint directory (default: runs/demo)")
+    where.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="resume the run in DIR with the settings in DIR/config.json (no other flag needed)",
+    )
+    demo.add_argument("--batch-size", type=int, help="examples per batch (default: 32)")
+    demo.add_argument("--world-size", type=int, help="local ranks, one process each (default: 2)")
+    demo.add_argument(
+        "--seed", type=int, help="seed of the split, the weights and the shuffling (default: 0)"
+    )
+    demo.add_argument("--learning-rate", type=float, help="Adam's learning rate (default: 0.001)")
+    demo.add_argument(
+        "--hidden-sizes",
+        type=_hidden_sizes,
+        metavar="N,N",
+        help="widths of the hidden layers (default: 128,64)",
+    )
     demo.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    inspect = commands.add_parser(
+        "inspect",
+        help="show a checkpoint's state, learning curve and files, checking every file",
+        description="Check every file of a checkpoint (or of every checkpoint of a run directory) "
+        "and print its state, learning curve and files. Exits 1 when anything is wrong.",
+    )
+    inspect.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint or run directory")
+    inspect.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    plot = commands.add_parser(
+        "plot",
+        help="draw a checkpoint's learning curve into a PNG (needs matplotlib)",
+        description="Draw the learning curve of a checkpoint into a PNG. "
+        'Needs matplotlib: pip install "lamploop[plot]".',
+    )
+    plot.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint or run directory")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
+    plot.add_argument("--title", help="the figure's title (default: the checkpoint's path)")
+    plot.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
     return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lamploop.demo import demo_config, train_demo
+
+    given = {
+        name: value
+        for name, value in (
+            ("epochs", args.epochs),
+            ("batch_size", args.batch_size),
+            ("world_size", args.world_size),
+            ("seed", args.seed),
+            ("learning_rate", args.learning_rate),
+            ("hidden_sizes", args.hidden_sizes),
+        )
+        if value is not None
+    }
+    directory = args.resume if args.resume is not None else (args.out or Path("runs/demo"))
+    config = demo_config(directory, given, resume=args.resume is not None)
+    train_demo(config, directory)
+    return EXIT_OK
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from lamploop.inspection import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(args.checkpoint)
+    print(format_report(report), end="", flush=True)
+    if report.ok:
+        return EXIT_OK
+    for problem in report.problems:
+        print(f"lamploop: {problem}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from lamploop.plotting import plot_learning_curve
+
+    path = plot_learning_curve(args.checkpoint, args.output, title=args.title)
+    print(f"wrote {path}", flush=True)
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,17 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
+    commands = {"demo": _demo, "inspect": _inspect, "plot": _plot}
     try:
-        if args.command == "demo":
-            from lamploop.demo import run_demo
-
-            run_demo(
-                epochs=args.epochs,
-                out=args.out,
-                batch_size=args.batch_size,
-                seed=args.seed,
-                world_size=args.world_size,
-            )
+        return commands[args.command](args)
     except TrainingInterrupted as exc:
         print(f"lamploop: {exc}", file=sys.stderr, flush=True)
         return EXIT_TERMINATED if exc.reason == "SIGTERM" else EXIT_INTERRUPTED
@@ -72,7 +171,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lamploop: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    return EXIT_OK
 
 
 if __name__ == "__main__":

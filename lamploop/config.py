@@ -1,0 +1,369 @@
+"""Run configurations: a frozen attrs class saved as ``config.json`` beside the checkpoints.
+
+A run that resumes must train with the settings it started with: a different batch size
+or seed would resume the checkpoint into another run.  :func:`save_config` writes the
+configuration next to the checkpoints (atomically), :func:`load_config` reads it back
+strictly (the kind, the version, every field's type; unknown keys are refused), and
+:func:`resolve_config` merges what a command line gives with what was saved, refusing any
+value that disagrees (except fields that may be raised, such as the number of epochs).
+
+The file::
+
+    {
+      "kind": "DemoConfig",          the class's name: a config of another kind is refused
+      "version": 1,                  the class's config_version: another version is refused
+      "lamploop_version": "0.2.0",   the version that wrote it (informational)
+      "config": {"epochs": 30, ...}  the fields, through cattrs
+    }
+
+>>> import tempfile
+>>> with tempfile.TemporaryDirectory() as run:
+...     path = save_config(DemoConfig(epochs=5, batch_size=64), run)
+...     load_config(run, DemoConfig).batch_size
+64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Final, TypeVar
+
+import attrs
+import cattrs
+import cattrs.errors
+import cattrs.v
+
+from lamploop.errors import ConfigurationError
+
+__all__ = ["CONFIG_NAME", "DemoConfig", "load_config", "resolve_config", "save_config"]
+
+CONFIG_NAME: Final = "config.json"
+"""The configuration's file name in a run directory (beside ``latest`` and the ``epoch-*`` directories)."""
+
+C = TypeVar("C", bound=attrs.AttrsInstance)
+
+_ENVELOPE_KEYS: Final = ("kind", "version", "lamploop_version", "config")
+
+
+@attrs.frozen(kw_only=True)
+class DemoConfig:
+    """What ``lamploop demo`` trains with (see :func:`lamploop.demo.run_demo`).
+
+    Attributes:
+        epochs: epochs in all (a resumed run may raise it to train longer).
+        batch_size: training examples per batch (per rank).
+        world_size: local ranks, one process each.
+        seed: seed of the train/validation split, the initial weights and the shuffling.
+        learning_rate: Adam's learning rate.
+        hidden_sizes: the widths of the MLP's hidden layers.
+    """
+
+    config_version: ClassVar[int] = 1
+
+    epochs: int = 30
+    batch_size: int = 32
+    world_size: int = 2
+    seed: int = 0
+    learning_rate: float = 1e-3
+    hidden_sizes: tuple[int, ...] = attrs.field(default=(128, 64), converter=tuple)
+
+
+# --------------------------------------------------------------------------------------------
+# JSON through cattrs, strictly: no "32" for 32, no 3.0 for 3, no true for 1.
+
+
+def _kind(value: object) -> str:
+    return type(value).__name__
+
+
+def _strict_int(value: object, _: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"expected an integer, got {value!r} ({_kind(value)})"
+        raise TypeError(msg)
+    return value
+
+
+def _strict_float(value: object, _: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"expected a number, got {value!r} ({_kind(value)})"
+        raise TypeError(msg)
+    return float(value)
+
+
+def _strict_bool(value: object, _: object) -> bool:
+    if not isinstance(value, bool):
+        msg = f"expected true or false, got {value!r} ({_kind(value)})"
+        raise TypeError(msg)
+    return value
+
+
+def _strict_str(value: object, _: object) -> str:
+    if not isinstance(value, str):
+        msg = f"expected a string, got {value!r} ({_kind(value)})"
+        raise TypeError(msg)
+    return value
+
+
+def _is_sequence_type(t: Any) -> bool:
+    return getattr(t, "__origin__", None) in (tuple, list)
+
+
+def _strict_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _strict_int)
+    converter.register_structure_hook(float, _strict_float)
+    converter.register_structure_hook(bool, _strict_bool)
+    converter.register_structure_hook(str, _strict_str)
+    return converter
+
+
+def _converter() -> cattrs.Converter:
+    """Strict scalars, and lists only where a tuple or list is expected (not a string or an object)."""
+    converter = _strict_converter()
+    elements = _strict_converter()
+
+    def sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
+        structure_items = elements.get_structure_hook(t)
+
+        def structure(value: Any, target: Any) -> Any:
+            if not isinstance(value, list):
+                msg = f"expected a list, got {value!r} ({_kind(value)})"
+                raise TypeError(msg)
+            return structure_items(value, target)
+
+        return structure
+
+    converter.register_structure_hook_factory(_is_sequence_type, sequence_hook)
+    return converter
+
+
+_CONVERTER: Final = _converter()
+
+
+def _describe(exc: BaseException, target: type | None) -> str:
+    if isinstance(exc, cattrs.errors.ForbiddenExtraKeysError):
+        names = ", ".join(sorted(exc.extra_fields))
+        return f"unknown field {names}" if len(exc.extra_fields) == 1 else f"unknown fields {names}"
+    if isinstance(exc, KeyError):
+        return "missing"
+    if isinstance(exc, (TypeError, ValueError)) and str(exc).startswith("expected "):
+        return str(exc)
+    return cattrs.v.format_exception(exc, target)
+
+
+def _field_errors(exc: Exception) -> list[str]:
+    """``"field: what is wrong"`` for each error cattrs found (the field first, no ``$``)."""
+    out = []
+    for line in cattrs.transform_error(exc, path="$", format_exception=_describe):
+        what, _, where = line.rpartition(" @ ")
+        field = where.removeprefix("$").removeprefix(".")
+        out.append(f"{field}: {what}" if field else what)
+    return out
+
+
+def _kind_of(cls: type) -> str:
+    return cls.__qualname__
+
+
+def _version_of(cls: type) -> int:
+    version = getattr(cls, "config_version", 1)
+    return version if isinstance(version, int) else 1
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name == "nt":  # Windows cannot open a directory to fsync it.
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a hidden temporary sibling, fsync it, and rename it over ``path``."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save_config(config: attrs.AttrsInstance, directory: str | os.PathLike[str]) -> Path:
+    """Write ``config`` to ``<directory>/config.json`` atomically (creating ``directory``); its path.
+
+    Raises:
+        ConfigurationError: ``config`` is not an attrs instance.
+    """
+    if not attrs.has(type(config)):
+        msg = f"save_config: expected an attrs class instance, got a {type(config).__qualname__}"
+        raise ConfigurationError(msg)
+    from lamploop.checkpoint.format import _lamploop_version
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    document = {
+        "kind": _kind_of(type(config)),
+        "version": _version_of(type(config)),
+        "lamploop_version": _lamploop_version(),
+        "config": _CONVERTER.unstructure(config),
+    }
+    path = root / CONFIG_NAME
+    _write_atomically(path, (json.dumps(document, indent=2) + "\n").encode("utf-8"))
+    return path
+
+
+def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
+    """Read ``<directory>/config.json`` as a ``cls``.
+
+    Raises:
+        ConfigurationError: the message starts with the file and names what is wrong: the
+            file is missing or not JSON, holds another kind of configuration or another
+            version of this one, has a field ``cls`` does not have, or a value of the wrong
+            type (``batch_size: expected an integer, got '64' (str)``).
+    """
+    path = Path(directory) / CONFIG_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        msg = f"{path}: missing"
+        raise ConfigurationError(msg) from None
+    except (OSError, UnicodeDecodeError) as e:
+        msg = f"{path}: cannot read: {e}"
+        raise ConfigurationError(msg) from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"{path}: not valid JSON: {e}"
+        raise ConfigurationError(msg) from e
+    if not isinstance(raw, dict):
+        msg = f"{path}: expected a JSON object, got {_kind(raw)}"
+        raise ConfigurationError(msg)
+    unknown = sorted(k for k in raw if k not in _ENVELOPE_KEYS)
+    if unknown:
+        msg = f"{path}: unknown key {', '.join(unknown)} (expected {', '.join(_ENVELOPE_KEYS)})"
+        raise ConfigurationError(msg)
+    kind, expected_kind = raw.get("kind"), _kind_of(cls)
+    if kind != expected_kind:
+        msg = f"{path}: kind: holds a {kind!r} configuration, expected {expected_kind!r}"
+        raise ConfigurationError(msg)
+    version, expected_version = raw.get("version"), _version_of(cls)
+    if isinstance(version, bool) or not isinstance(version, int):
+        msg = f"{path}: version: expected an integer, got {version!r}"
+        raise ConfigurationError(msg)
+    if version != expected_version:
+        newer = "a newer" if version > expected_version else "an older"
+        msg = (
+            f"{path}: version: {expected_kind} version {version} was written by {newer} lamploop "
+            f"({raw.get('lamploop_version', 'unknown')}); this one reads version {expected_version}"
+        )
+        raise ConfigurationError(msg)
+    body = raw.get("config")
+    if not isinstance(body, dict):
+        msg = f"{path}: config: expected a JSON object, got {body!r}"
+        raise ConfigurationError(msg)
+    try:
+        return _CONVERTER.structure(body, cls)
+    except Exception as e:  # cattrs raises ClassValidationError (an ExceptionGroup) and friends
+        msg = f"{path}: {'; '.join(_field_errors(e))}"
+        raise ConfigurationError(msg) from e
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming
+
+
+def _has_checkpoints(directory: Path) -> bool:
+    from lamploop.checkpoint.files import _checkpoint_dirs
+
+    return directory.is_dir() and bool(_checkpoint_dirs(directory))
+
+
+def resolve_config(
+    directory: str | os.PathLike[str],
+    cls: type[C],
+    given: Mapping[str, Any],
+    *,
+    resume: bool = False,
+    may_raise: Collection[str] = ("epochs",),
+    given_by: str = "the command line",
+) -> C:
+    """The configuration to train with in ``directory``: ``given`` checked against the saved one.
+
+    - ``directory`` holds a ``config.json`` and checkpoints (or ``resume`` is true): the saved
+      configuration, with the fields of ``given`` (each must agree with the saved value; the
+      fields in ``may_raise`` may instead be raised, e.g. to train for more epochs);
+    - otherwise nothing was trained there yet: ``cls(**given)`` (defaults for the rest).
+
+    Args:
+        directory: the run directory (checkpoints and ``config.json``).
+        cls: the configuration class.
+        given: the fields set explicitly (e.g. the flags given on a command line).
+        resume: the caller asks to resume: ``config.json`` must exist.
+        may_raise: fields whose value may be raised above the saved one (numbers).
+        given_by: who gave ``given``, for the messages.
+
+    Raises:
+        ConfigurationError: ``config.json`` is unreadable (see :func:`load_config`) or
+            missing when ``resume`` is true, or ``given`` disagrees with it; the message
+            names every field, e.g. ``batch_size: the checkpoint in runs/demo was trained
+            with 32, the command line says 64``.
+    """
+    root = Path(directory)
+    names = {f.name for f in attrs.fields(cls)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        msg = f"resolve_config: {cls.__qualname__} has no field {', '.join(unknown)}"
+        raise ConfigurationError(msg)
+    if not (root / CONFIG_NAME).exists():
+        if resume:
+            msg = (
+                f"{root / CONFIG_NAME}: missing: nothing to resume in {root} "
+                f"(a run writes {CONFIG_NAME} beside its checkpoints)"
+            )
+            raise ConfigurationError(msg)
+        return cls(**given)
+    if not resume and not _has_checkpoints(root):
+        return cls(**given)  # a config whose run never checkpointed: nothing trained to agree with
+    saved = load_config(root, cls)
+    problems = []
+    for name, value in given.items():
+        before = getattr(saved, name)
+        if _same(before, value) or (name in may_raise and value > before):
+            continue
+        problem = (
+            f"{name}: the checkpoint in {root} was trained with {_show(before)}, "
+            f"{given_by} says {_show(value)}"
+        )
+        if name in may_raise:
+            problem += f" ({name} may only be raised)"
+        problems.append(problem)
+    if problems:
+        raise ConfigurationError("; ".join(problems))
+    return cls(**{**attrs.asdict(saved, recurse=False), **given})
+
+
+def _same(saved: Any, given: Any) -> bool:
+    if isinstance(saved, tuple) and isinstance(given, (list, tuple)):
+        return saved == tuple(given)
+    return bool(saved == given)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)

@@ -1,0 +1,554 @@
+"""``lamploop inspect``: what a checkpoint holds, and whether every one of its files is intact.
+
+:func:`inspect_checkpoint` reads a checkpoint directory, or a run directory (then every
+checkpoint in it is checked, and the latest valid one is reported on, as
+:func:`~lamploop.checkpoint.load_checkpoint` would load it).  Unlike loading, it does not
+stop at the first problem: each file's size and sha256 is checked and each problem is
+named by its file.  :func:`format_report` turns the result into text: a header, the
+learning curve as a table (the best epoch marked ``*``), and the files.
+
+>>> import tempfile, torch
+>>> from lamploop.checkpoint import save_checkpoint
+>>> from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData
+>>> curve = (LearningCurveEntry(epoch=0, training_loss=0.9, validation_loss=(0.8, 0.8)),)
+>>> state = LoopStateWithModelAndOptimizerData(
+...     LoopState(epoch=1, min_validation_loss=0.8, min_validation_epoch=0, learning_curve=curve),
+...     model={"w": torch.zeros(2)},
+...     optimizer={"state": {}, "param_groups": []},
+... )
+>>> with tempfile.TemporaryDirectory() as run:
+...     _ = save_checkpoint(run, state)
+...     report = inspect_checkpoint(run)
+>>> report.ok, report.path.name, report.best_epoch
+(True, 'epoch-000001', 0)
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from pathlib import Path
+from typing import Final
+
+import attrs
+
+from lamploop.checkpoint.files import _checkpoint_dirs, _saved_at
+from lamploop.checkpoint.format import (
+    _CHECKPOINT_NAME,
+    _CHUNK,
+    AVERAGED_MODEL_FILE,
+    BEST_MODEL_FILE,
+    DESCRIPTOR_NAME,
+    LATEST_NAME,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    _Descriptor,
+    _FileRecord,
+    rank_rng_file,
+)
+from lamploop.errors import CheckpointError
+from lamploop.loop.boundary import EpochPosition
+from lamploop.state import LearningCurveEntry, LoopState
+
+__all__ = [
+    "CheckpointReport",
+    "CheckpointSummary",
+    "FileCheck",
+    "format_report",
+    "inspect_checkpoint",
+    "read_loop_state",
+]
+
+_NOT_CHECKED: Final = "not checked"
+
+
+@attrs.frozen
+class FileCheck:
+    """One file of a checkpoint directory, as found on disk.
+
+    Attributes:
+        name: the file's name in the checkpoint directory.
+        size: its size in bytes (``None``: missing).
+        recorded_size: the size ``checkpoint.json`` records (``None``: not recorded, as for
+            ``checkpoint.json`` itself, or unknown because the descriptor is unreadable).
+        sha256_ok: whether its sha256 is the one recorded (``None``: not checked).
+        problem: what is wrong with it, ``None`` when nothing is.
+        note: a remark that is no problem (e.g. a file ``checkpoint.json`` does not list).
+    """
+
+    name: str
+    size: int | None
+    recorded_size: int | None = None
+    sha256_ok: bool | None = None
+    problem: str | None = None
+    note: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing is wrong with this file."""
+        return self.problem is None
+
+
+@attrs.frozen
+class CheckpointSummary:
+    """One checkpoint directory and what checking it found.
+
+    Attributes:
+        path: the checkpoint directory.
+        epoch: the epoch it resumes at (from its name).
+        steps_done: the steps done in that epoch for a step-boundary checkpoint, else ``None``.
+        is_latest: whether the run directory's ``latest`` pointer names it.
+        files: every file checked, the descriptor first.
+        problems: every problem found, each starting with the path of the file at fault.
+    """
+
+    path: Path
+    epoch: int
+    steps_done: int | None
+    is_latest: bool
+    files: tuple[FileCheck, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the checkpoint loads: every file is intact and consistent."""
+        return not self.problems
+
+
+@attrs.frozen
+class CheckpointReport:
+    """What :func:`inspect_checkpoint` found.
+
+    Attributes:
+        path: the checkpoint directory reported on: the one given, or in a run directory
+            the latest valid one (the latest one when none is valid).
+        run_directory: the run directory given, or ``None`` for a checkpoint directory.
+        checkpoints: every checkpoint checked, in the order of their positions (epoch, step);
+            just ``path`` when a checkpoint directory was given.
+        lamploop_version: the lamploop version that wrote ``path`` (``None``: unreadable).
+        format_version: its format version (``None``: unreadable).
+        saved_at_unix_ns: when it was saved (``None``: unreadable).
+        loop_state: its loop state (``None``: the descriptor is unreadable).
+        position: the step position of a step-boundary checkpoint, else ``None``.
+        files: the files of ``path``, each with its size and check.
+        problems: every problem found, in ``path`` and in the other checkpoints, and with the
+            ``latest`` pointer; each starts with the path of the file at fault.
+        notes: remarks that are no problem (unlisted files, a missing ``latest`` pointer...).
+    """
+
+    path: Path
+    run_directory: Path | None
+    checkpoints: tuple[CheckpointSummary, ...]
+    lamploop_version: str | None
+    format_version: int | None
+    saved_at_unix_ns: int | None
+    loop_state: LoopState | None
+    position: EpochPosition | None
+    files: tuple[FileCheck, ...]
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing is wrong (with any checkpoint checked)."""
+        return not self.problems
+
+    @property
+    def learning_curve(self) -> tuple[LearningCurveEntry, ...]:
+        """The learning curve of ``path`` (empty when its descriptor is unreadable)."""
+        return () if self.loop_state is None else self.loop_state.learning_curve
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch the checkpoint resumes at."""
+        return None if self.loop_state is None else self.loop_state.epoch
+
+    @property
+    def best_epoch(self) -> int | None:
+        """The epoch of the best model (lowest smoothed validation loss), ``None`` before any."""
+        return None if self.loop_state is None else self.loop_state.min_validation_epoch
+
+
+# --------------------------------------------------------------------------------------------
+# Checking
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _check_recorded(directory: Path, name: str, record: _FileRecord) -> FileCheck:
+    path = directory / name
+    size = _size(path)
+    if size is None:
+        return FileCheck(name, None, record.size, None, f"missing (listed in {DESCRIPTOR_NAME})")
+    if size != record.size:
+        how = "truncated" if size < record.size else "longer than written"
+        problem = f"size mismatch: {DESCRIPTOR_NAME} records {record.size} bytes, the file has {size} ({how})"
+        return FileCheck(name, size, record.size, None, problem)
+    try:
+        digest = _sha256(path)
+    except OSError as e:
+        return FileCheck(name, size, record.size, None, f"cannot read: {e}")
+    if digest != record.sha256:
+        problem = (
+            f"sha256 mismatch: {DESCRIPTOR_NAME} records {record.sha256}, the file has {digest} "
+            "(the file is corrupt or was changed after saving)"
+        )
+        return FileCheck(name, size, record.size, False, problem)
+    return FileCheck(name, size, record.size, True)
+
+
+def _required_files(descriptor: _Descriptor) -> list[str]:
+    names = [MODEL_FILE, BEST_MODEL_FILE, OPTIMIZER_FILE, RNG_FILE]
+    names += [rank_rng_file(rank) for rank in range(1, len(descriptor.rank_rngs) + 1)]
+    if descriptor.averaged_model_spec is not None:
+        names.append(AVERAGED_MODEL_FILE)
+    return names
+
+
+def _name_position(name: str) -> tuple[int, int | None]:
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return -1, None
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
+
+
+def _position_key(directory: Path) -> tuple[int, int]:
+    """The order of positions: the start of an epoch (step 0) before its step boundaries."""
+    epoch, steps = _name_position(directory.name)
+    return epoch, steps or 0
+
+
+@attrs.frozen
+class _Checked:
+    summary: CheckpointSummary
+    descriptor: _Descriptor | None
+    notes: tuple[str, ...]
+
+
+def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
+    """Check every file of one checkpoint directory; never raises for what it finds on disk."""
+    from lamploop.checkpoint.load import _read_descriptor, load_checkpoint
+
+    descriptor_path = directory / DESCRIPTOR_NAME
+    present = sorted(p.name for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
+    descriptor: _Descriptor | None = None
+    try:
+        descriptor = _read_descriptor(descriptor_path)
+        descriptor_problem = None
+    except CheckpointError as e:
+        descriptor_problem = str(e).removeprefix(f"{descriptor_path}: ")
+    files = [FileCheck(DESCRIPTOR_NAME, _size(descriptor_path), problem=descriptor_problem)]
+    notes: list[str] = []
+    if descriptor is None:
+        reason = f"{_NOT_CHECKED}: {DESCRIPTOR_NAME} is unreadable"
+        files += [
+            FileCheck(name, _size(directory / name), note=reason)
+            for name in present
+            if name != DESCRIPTOR_NAME
+        ]
+    else:
+        for name in _required_files(descriptor):
+            if name not in descriptor.files:
+                files.append(
+                    FileCheck(
+                        name,
+                        _size(directory / name),
+                        problem=f"{DESCRIPTOR_NAME} lists no sha256 and size for it",
+                    )
+                )
+        for name, record in descriptor.files.items():
+            if Path(name).name != name or name in (".", ".."):  # never read outside the checkpoint
+                problem = f"lists {name!r}, which is not a file name inside the checkpoint directory"
+                files[0] = attrs.evolve(files[0], problem=problem)
+                continue
+            files.append(_check_recorded(directory, name, record))
+        listed = {f.name for f in files}
+        for name in present:
+            if name not in listed:
+                note = f"not listed in {DESCRIPTOR_NAME} (not read when loading)"
+                files.append(FileCheck(name, _size(directory / name), note=note))
+                notes.append(f"{directory / name}: {note}")
+    problems = [f"{directory / f.name}: {f.problem}" for f in files if f.problem is not None]
+    if descriptor is not None and not problems:
+        # Every file is intact: load it as a resuming run would, which also checks that the
+        # safetensors files parse and hold the tensors the descriptor lists.
+        try:
+            load_checkpoint(directory)
+        except CheckpointError as e:
+            message = str(e)
+            for i, f in enumerate(files):
+                prefix = f"{directory / f.name}: "
+                if message.startswith(prefix):
+                    files[i] = attrs.evolve(f, problem=message.removeprefix(prefix))
+                    break
+            problems.append(message)
+    epoch, steps = _name_position(directory.name)
+    summary = CheckpointSummary(directory, epoch, steps, is_latest, tuple(files), tuple(problems))
+    return _Checked(summary, descriptor, tuple(notes))
+
+
+def _read_latest(root: Path) -> tuple[str | None, list[str], list[str]]:
+    """The name ``latest`` holds (``None``: none usable), and the problems and notes about it."""
+    pointer = root / LATEST_NAME
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None, [], [f"{pointer}: missing; the most recently saved checkpoint counts as the latest"]
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [f"{pointer}: cannot read the latest-checkpoint pointer: {e}"], []
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        return None, [f"{pointer}: holds {name!r}, which is not a checkpoint directory name"], []
+    if not (root / name).is_dir():
+        return None, [f"{pointer}: names {name}, but {root / name} does not exist"], []
+    return name, [], []
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
+    """Check a checkpoint directory, or every checkpoint of a run directory, file by file.
+
+    Args:
+        path: a checkpoint directory (``.../epoch-000006``), or a run directory holding
+            ``latest`` and ``epoch-*`` directories; then every checkpoint in it is checked,
+            and the report is on the one :func:`~lamploop.checkpoint.load_checkpoint` would
+            load: the one ``latest`` names if valid, else the most recently saved valid one.
+
+    Returns:
+        The report; ``report.ok`` is false when anything is wrong, and ``report.problems``
+        names each bad file (a size or sha256 mismatch, a missing file, an unreadable
+        descriptor, a ``latest`` pointer naming nothing...).
+
+    Raises:
+        CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
+    """
+    p = Path(path)
+    if not p.exists():
+        msg = f"{p}: no such checkpoint directory"
+        raise CheckpointError(msg)
+    if not p.is_dir():
+        msg = f"{p}: not a directory (expected a checkpoint directory or a run directory)"
+        raise CheckpointError(msg)
+    if (p / DESCRIPTOR_NAME).exists() or _CHECKPOINT_NAME.fullmatch(p.name):
+        checked = _check_directory(p, is_latest=False)
+        return _report(checked, None, (checked,), [], [])
+    directories = _checkpoint_dirs(p)
+    if not directories:
+        msg = f"{p}: no checkpoint here: no {DESCRIPTOR_NAME}, no '{LATEST_NAME}', no epoch-* directory"
+        raise CheckpointError(msg)
+    latest, problems, notes = _read_latest(p)
+    directories.sort(key=_position_key)
+    all_checked = [_check_directory(d, is_latest=d.name == latest) for d in directories]
+    # The order load_checkpoint tries: the latest, then the others, most recently saved first.
+    order = sorted(all_checked, key=lambda c: (c.summary.is_latest, _saved_at(c.summary.path)), reverse=True)
+    if latest is None:
+        order = sorted(
+            all_checked, key=lambda c: (c.descriptor is not None, _saved_at(c.summary.path)), reverse=True
+        )
+    chosen = next((c for c in order if c.summary.ok), order[0])
+    return _report(chosen, p, tuple(all_checked), problems, notes)
+
+
+def _report(
+    chosen: _Checked,
+    run_directory: Path | None,
+    all_checked: tuple[_Checked, ...],
+    problems: list[str],
+    notes: list[str],
+) -> CheckpointReport:
+    descriptor = chosen.descriptor
+    for checked in all_checked:
+        problems += checked.summary.problems
+        notes += checked.notes
+    return CheckpointReport(
+        path=chosen.summary.path,
+        run_directory=run_directory,
+        checkpoints=tuple(c.summary for c in all_checked),
+        lamploop_version=None if descriptor is None else descriptor.lamploop_version,
+        format_version=None if descriptor is None else descriptor.format_version,
+        saved_at_unix_ns=None if descriptor is None else descriptor.saved_at_unix_ns,
+        loop_state=None if descriptor is None else descriptor.loop_state,
+        position=None if descriptor is None else descriptor.position,
+        files=chosen.summary.files,
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
+
+
+def read_loop_state(path: str | os.PathLike[str]) -> LoopState:
+    """The loop state of a checkpoint, read from its descriptor alone (no tensor file is read).
+
+    ``path`` is a checkpoint directory, or a run directory: then the latest checkpoint with a
+    readable descriptor (``latest``, else the most recently saved).
+
+    Raises:
+        CheckpointError: no checkpoint there, or its descriptor is unreadable (in a run
+            directory: every descriptor is).
+    """
+    from lamploop.checkpoint.load import _read_descriptor, _resolve
+
+    directory = _resolve(path)
+    if directory == Path(path):
+        return _read_descriptor(directory / DESCRIPTOR_NAME).loop_state
+    others = (d for d in _checkpoint_dirs(directory.parent) if d != directory)
+    candidates = [directory, *sorted(others, key=_saved_at, reverse=True)]
+    first_error: CheckpointError | None = None
+    for candidate in candidates:
+        try:
+            return _read_descriptor(candidate / DESCRIPTOR_NAME).loop_state
+        except CheckpointError as e:
+            first_error = first_error or e
+    assert first_error is not None
+    raise first_error
+
+
+# --------------------------------------------------------------------------------------------
+# Text
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _curve_table(state: LoopState) -> list[str]:
+    curve = state.learning_curve
+    training_metrics = sorted({name for e in curve for name in e.training_metrics})
+    validation_metrics = sorted({name for e in curve for name in e.validation_metrics})
+    smoothed_metrics = [
+        name
+        for name in validation_metrics
+        if any(
+            name in e.validation_metrics and e.validation_metrics[name][0] != e.validation_metrics[name][1]
+            for e in curve
+        )
+    ]
+    header = ["epoch", "train loss", "valid raw", "valid smoothed", "lr factor"]
+    header += [f"train {n}" for n in training_metrics]
+    for n in validation_metrics:
+        header.append(f"valid {n}")
+        if n in smoothed_metrics:
+            header.append(f"valid {n} smoothed")
+    rows = []
+    for e in curve:
+        mark = "*" if e.epoch == state.min_validation_epoch else ""
+        valid = e.validation_loss
+        row = [
+            f"{e.epoch}{mark}",
+            _number(e.training_loss),
+            _number(None if valid is None else valid[1]),
+            _number(None if valid is None else valid[0]),
+            _number(e.learning_rate_factor),
+        ]
+        row += [_number(e.training_metrics.get(n)) for n in training_metrics]
+        for n in validation_metrics:
+            pair = e.validation_metrics.get(n)
+            row.append(_number(None if pair is None else pair[1]))
+            if n in smoothed_metrics:
+                row.append(_number(None if pair is None else pair[0]))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
+    ]
+    return ["  " + line for line in lines]
+
+
+def _when(unix_ns: int | None) -> str:
+    if unix_ns is None:
+        return "unknown"
+    moment = datetime.datetime.fromtimestamp(unix_ns / 1e9, tz=datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _file_line(f: FileCheck, name_width: int) -> str:
+    size = "missing" if f.size is None else f"{f.size:,} bytes"
+    if f.problem is not None:
+        status = f"BAD: {f.problem}"
+    elif f.note is not None:
+        status = f.note
+    elif f.sha256_ok:
+        status = "ok (sha256)"
+    else:
+        status = "ok"
+    return f"  {f.name.ljust(name_width)}  {size:>15}  {status}"
+
+
+def format_report(report: CheckpointReport) -> str:
+    """The report as text: a header, the learning curve (best epoch marked ``*``), the files."""
+    lines = [f"checkpoint   {report.path}"]
+    if report.run_directory is not None:
+        count = len(report.checkpoints)
+        latest = next((c for c in report.checkpoints if c.is_latest), None)
+        if latest is not None and latest.path != report.path:
+            # Reported in its place, as load_checkpoint would fall back to it.
+            lines[0] += f" (the latest valid one: '{LATEST_NAME}' names {latest.path.name}, which is bad)"
+        lines.append(f"run          {report.run_directory} ({count} checkpoint{'s' if count != 1 else ''})")
+    if report.format_version is None:
+        lines.append(f"written by   unknown: {DESCRIPTOR_NAME} is unreadable")
+    else:
+        lines.append(
+            f"written by   lamploop {report.lamploop_version} (format {report.format_version}), "
+            f"{_when(report.saved_at_unix_ns)}"
+        )
+    state = report.loop_state
+    if state is not None:
+        if report.position is None:
+            lines.append(f"resumes at   the start of epoch {state.epoch}")
+        else:
+            lines.append(
+                f"resumes at   epoch {report.position.epoch} after step {report.position.steps_done} "
+                "(a step-boundary checkpoint)"
+            )
+        lines.append(f"epochs done  {len(state.learning_curve)}")
+        lines.append(f"last valid   {_number(state.last_validation_loss)} (smoothed)")
+        if state.min_validation_epoch is None:
+            lines.append("best epoch   none yet (no validation)")
+        else:
+            lines.append(
+                f"best epoch   {state.min_validation_epoch} "
+                f"(smoothed validation loss {_number(state.min_validation_loss)})"
+            )
+        lines.append("")
+        if state.learning_curve:
+            lines.append("learning curve (* marks the best epoch):")
+            lines += _curve_table(state)
+        else:
+            lines.append("learning curve: empty (no epoch finished)")
+    lines.append("")
+    lines.append(f"files of {report.path.name}:")
+    width = max((len(f.name) for f in report.files), default=0)
+    lines += [_file_line(f, width) for f in report.files]
+    if report.run_directory is not None:
+        lines.append("")
+        lines.append(f"checkpoints in {report.run_directory}:")
+        width = max(len(c.path.name) for c in report.checkpoints)
+        for c in report.checkpoints:
+            tags = [t for t, on in (("latest", c.is_latest), ("reported", c.path == report.path)) if on]
+            tag = f" ({', '.join(tags)})" if tags else ""
+            status = "ok" if c.ok else f"BAD: {len(c.problems)} problem{'s' if len(c.problems) != 1 else ''}"
+            lines.append(f"  {c.path.name.ljust(width)}  {status}{tag}")
+    lines.append("")
+    if report.notes:
+        lines.append("notes:")
+        lines += [f"  {note}" for note in report.notes]
+        lines.append("")
+    if report.ok:
+        lines.append("ok: every file is intact")
+    else:
+        count = len(report.problems)
+        lines.append(f"{count} problem{'s' if count != 1 else ''}:")
+        lines += [f"  {problem}" for problem in report.problems]
+    return "\n".join(lines) + "\n"

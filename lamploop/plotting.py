@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from lamploop.errors import ConfigurationError
+from lamploop.errors import MissingDependencyError
 from lamploop.state import LoopState
 
 if TYPE_CHECKING:
@@ -33,13 +33,9 @@ LEARNING_RATE_COLOR: Final = "#7f7f7f"
 _INSTALL: Final = 'pip install "lamploop[plot]"'
 
 
-def _missing_matplotlib(error: ImportError) -> ConfigurationError:
-    from lamploop import errors
-
-    # MissingDependencyError (a ConfigurationError) where this lamploop has it.
-    kind: type[ConfigurationError] = getattr(errors, "MissingDependencyError", ConfigurationError)
+def _missing_matplotlib(error: ImportError) -> MissingDependencyError:
     msg = f"plotting needs matplotlib, which is not installed ({error}); install it with: {_INSTALL}"
-    return kind(msg)
+    return MissingDependencyError(msg)
 
 
 def _new_figure(figsize: tuple[float, float], dpi: float) -> Figure:

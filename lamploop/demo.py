@@ -1,7 +1,8 @@
 """The demo job: a small MLP on scikit-learn's handwritten digits.
 
-``lamploop demo`` trains it, prints each epoch's training and validation loss
-and the final validation accuracy, and leaves checkpoints in ``--out`` with its
+``lamploop demo`` trains it, shows its progress (live bars on a terminal, one line
+per epoch in a pipe: :class:`~lamploop.reporting.progress.ProgressReporter`) and the
+final validation accuracy, and leaves checkpoints in ``--out`` with its
 settings beside them (``config.json``, a :class:`~lamploop.config.DemoConfig`); run
 it again, or ``lamploop demo --resume DIR``, and it resumes from the latest
 checkpoint with those settings.
@@ -10,6 +11,7 @@ checkpoint with those settings.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from lamploop.config import CONFIG_NAME, DemoConfig, _has_checkpoints, resolve_c
 from lamploop.errors import ConfigurationError
 from lamploop.fit import fit
 from lamploop.model import SupervisedModel
+from lamploop.reporting.progress import ProgressReporter
 from lamploop.state import LoopState
 
 __all__ = ["demo_config", "digits_data", "digits_model", "run_demo", "train_demo"]
@@ -55,12 +58,6 @@ def accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     module.eval()
     with torch.no_grad():
         return float((module(x).argmax(dim=1) == y).float().mean())
-
-
-def _print_epoch(state: LoopState) -> None:
-    entry = state.learning_curve[-1]
-    valid = "" if entry.validation_loss is None else f"  valid loss {entry.validation_loss[1]:.4f}"
-    print(f"epoch {entry.epoch:3d}  train loss {entry.training_loss:.4f}{valid}", flush=True)
 
 
 def run_demo(
@@ -144,7 +141,6 @@ def train_demo(config: DemoConfig, out: Path) -> float | None:
             # a configuration that does not fit them is never recorded.
             save_config(config, out)
             pending = False
-        _print_epoch(state)
 
     x_train, y_train, x_valid, y_valid = digits_data(config.seed)
     module = digits_model(config.seed, config.hidden_sizes)
@@ -158,6 +154,9 @@ def train_demo(config: DemoConfig, out: Path) -> float | None:
         checkpoint_dir=out,
         on_epoch=on_epoch,
         world_size=config.world_size,
+        # Live bars on a terminal, one line per epoch in a pipe; stops and failures are the
+        # command's to say (one line).
+        reporters=[ProgressReporter(sys.stdout)],
     )
     if state is None:
         return None

@@ -106,7 +106,8 @@ class ProgressReporter:
     is unknown); ``ProgressSampled`` moves the steps bar and shows its loss, examples per
     second and the time left; ``EpochFinished`` prints :func:`describe_epoch`'s line, the
     epoch's seconds and examples per second above the bars; ``PeerLost`` prints a line;
-    ``RunFinished``, ``RunStopped`` and ``RunFailed`` stop the display and print a last line.
+    ``RunFinished`` stops the display and prints a last line; ``RunStopped`` and ``RunFailed``
+    only stop it (the caller gets the error or the stop, and says it once).
 
     Elsewhere the same lines are printed, without escape codes, and the bars are left out:
     ``ProgressSampled`` prints nothing unless :data:`QUIET_LINE_SECONDS` passed (by the
@@ -174,6 +175,7 @@ class ProgressReporter:
                 *_progress_columns(),
                 console=self._console,
                 refresh_per_second=self.refresh_per_second,
+                transient=True,  # the bars leave with the run; the epoch lines stay
                 # Only the process's own streams are worth catching above the bars.
                 redirect_stdout=self.file is sys.stdout,
                 redirect_stderr=self.file is sys.stderr,
@@ -293,16 +295,12 @@ class ProgressReporter:
 
     def _run_ended(self, event: RunFinished | RunStopped | RunFailed) -> None:
         self._stop_display()
+        if not isinstance(event, RunFinished):
+            return  # the caller gets the error or the stop, and says it (the CLI: one line)
         took = f" ({event.time - self._started_at:.1f} s)" if self._started_at is not None else ""
-        if isinstance(event, RunFinished):
-            done = event.state.epoch
-            text = f"finished after epoch {done - 1}" if done > 0 else "finished (no epoch to run)"
-            text += took
-        elif isinstance(event, RunStopped):
-            text = f"stopped ({event.reason}){took}: {event.message}"
-        else:
-            text = f"failed{took}: {event.error}"
-        self._line(text, event.time)
+        done = event.state.epoch
+        text = f"finished after epoch {done - 1}" if done > 0 else "finished (no epoch to run)"
+        self._line(text + took, event.time)
 
     def close(self) -> None:
         """Stop the live display, if one runs (calling it again does nothing)."""

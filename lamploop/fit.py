@@ -259,6 +259,7 @@ async def fit_async(
     check_batch_factory("fit", "train_batches", train_batches)
     check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
     settings = TrainingSettings.from_arguments(locals())
+    _check_step_checkpoints(checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds)
     place = _place(world_size, device)
     if place.env is None and place.nranks > 1 and launch_command is None:
         launch_command = default_launch_command(place.nranks)
@@ -329,6 +330,15 @@ async def fit_async(
         return await _reported(run, stop, emit)
     finally:
         close_all(listeners)
+
+
+def _check_step_checkpoints(directory: object, every_steps: int | None, every_seconds: float | None) -> None:
+    """Checkpoints inside epochs need a directory: asking for them without one is a mistake."""
+    if directory is not None or (every_steps is None and every_seconds is None):
+        return
+    every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
+    msg = f"fit: {every} asks for checkpoints inside epochs, but checkpoint_dir is None: say where"
+    raise ConfigurationError(msg)
 
 
 async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmitter) -> LoopState:

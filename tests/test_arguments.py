@@ -67,6 +67,11 @@ def _fit(**changes: Any) -> None:
             "got DataLoader; make one with lamploop.dataloader_batches(train_batches_loader)",
             id="dataloader-as-batches",
         ),
+        pytest.param(
+            {"checkpoint_every_n_steps": 10},
+            "fit: checkpoint_every_n_steps asks for checkpoints inside epochs, but checkpoint_dir is None",
+            id="step-checkpoints-without-a-directory",
+        ),
     ],
 )
 def test_a_common_mistake_is_named_before_training_starts(changes: dict[str, Any], expected: str) -> None:

@@ -153,7 +153,7 @@ def test_resume_needs_no_other_flag_and_ends_as_the_uninterrupted_run(
     capsys.readouterr()
     assert main(["demo", "--resume", str(run)]) == EXIT_OK
     out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch")] == ["1"]
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("epoch")] == ["epoch 1"]
     # With the saved batch size, seed, width and rank count: the very same curve.
     assert load_checkpoint(run).state.loop_state == full
 
@@ -161,7 +161,7 @@ def test_resume_needs_no_other_flag_and_ends_as_the_uninterrupted_run(
 def test_resume_may_raise_the_epochs_to_train_longer(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--resume", str(run), "--epochs", "3"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch")] == ["2"]
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("epoch")] == ["epoch 2"]
     state = load_checkpoint(run).state.loop_state
     assert state.epoch == 3
     assert len(state.learning_curve) == 3

@@ -11,8 +11,8 @@ same process, and prints per reporter:
   (B - A) / steps in microseconds, with its interquartile range.
 
 "Every reporter" puts all of them on at once.  The progress bar is measured in both of its
-modes: plain lines, and a live terminal display (forced, written to /dev/null) whose
-redraws run on rich's own thread.
+modes: plain lines, and a live terminal display (forced, written to /dev/null), redrawn at
+each event.
 
     python benchmarks/bench_reporters.py [--quick] [--json PATH]
 """
@@ -47,10 +47,12 @@ from lamploop.reporting import (
 )
 
 TARGET = 1.01
-# Per case (full, quick): epochs per run, and alternated pairs.  A run is long enough (about
-# 1.5 s) that what a reporter pays once per run (a display to start, a file to create) is
-# amortised as in real training, and is reported apart, in the "once per run" column.
-EPOCHS = {"mlp-1M": (10, 2), "tiny": (4, 1)}
+# Per case (full, quick): epochs per run and how often its batches repeat in an epoch, and
+# alternated pairs.  An epoch lasts about 0.8 s (MLP) or 0.5 s (tiny): what a reporter pays per
+# epoch (a line, a flush, a redraw) weighs as in a short real epoch, not as in a 50 ms one.
+# What it pays once per run is measured apart (the "once/run" column).
+EPOCHS = {"mlp-1M": (2, 1), "tiny": (2, 1)}
+REPEATS = {"mlp-1M": (5, 2), "tiny": (5, 2)}
 PAIRS = {"mlp-1M": (12, 3), "tiny": (12, 3)}
 
 
@@ -76,20 +78,57 @@ def reporter_factories(tmp: Path, devnull: Any) -> dict[str, Callable[[], list[R
     return factories
 
 
+class Timed:
+    """A reporter whose ``report`` calls are timed into ``spent`` (seconds, summed)."""
+
+    def __init__(self, inner: Reporter, spent: list[float]) -> None:
+        self.inner, self.spent = inner, spent
+
+    def report(self, event: Any) -> None:
+        began = time.perf_counter()
+        self.inner.report(event)
+        self.spent[0] += time.perf_counter() - began
+
+    def start(self) -> None:
+        if callable(getattr(self.inner, "start", None)):
+            self.inner.start()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if callable(getattr(self.inner, "close", None)):
+            self.inner.close()  # type: ignore[attr-defined]
+
+
+def sampler_seconds_per_step(calls: int = 200_000) -> float:
+    """What the progress sampler costs per training step (one call, a sample every 0.5 s)."""
+    from lamploop.reporting.sampler import ProgressSampler
+
+    sampler = ProgressSampler(lambda event: None)
+    sampler.start_epoch(0)
+    began = time.perf_counter()
+    for _ in range(calls):
+        sampler.after_step(64, 0.5)
+    return (time.perf_counter() - began) / calls
+
+
 def timed_run(
     widths: tuple[int, ...],
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     make: Callable[[], list[Reporter]],
     epochs: int,
+    spent_log: list[float] | None = None,
 ) -> Callable[[], float]:
-    """One repetition: a fresh model copy, ``epochs`` epochs; only the training is timed."""
+    """One repetition: a fresh model copy, ``epochs`` epochs; only the training is timed.
+
+    With ``spent_log``, each run appends the seconds its reporters spent in ``report``.
+    """
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     batch_size = batches[0][0].shape[0]
 
     def run() -> float:
         module = make_module(widths)
-        reporters = make()
+        spent = [0.0]
+        reporters: list[Reporter] = [Timed(r, spent) for r in make()] if spent_log is not None else make()
         for reporter in reporters:
             start = getattr(reporter, "start", None)
             if callable(start):
@@ -113,6 +152,8 @@ def timed_run(
         try:
             return anyio.run(train)
         finally:
+            if spent_log is not None:
+                spent_log.append(spent[0])
             for reporter in reporters:
                 close = getattr(reporter, "close", None)
                 if callable(close):
@@ -147,7 +188,11 @@ def make_optimizer_of(params: Any) -> torch.optim.Optimizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser(__doc__.splitlines()[0] if __doc__ else "bench_reporters").parse_args(argv)
+    parser = make_parser(__doc__.splitlines()[0] if __doc__ else "bench_reporters")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help="measure only this reporter (repeatable)"
+    )
+    args = parser.parse_args(argv)
     q = 1 if args.quick else 0
     print(
         f"lamploop {lamploop.__version__}, torch {torch.__version__}, "
@@ -161,13 +206,23 @@ def main(argv: list[str] | None = None) -> int:
         factories = reporter_factories(Path(tmp), devnull)
         for case in ("mlp-1M", "tiny"):
             widths, steps = CASES[case]
-            batches = make_batches(widths, steps[q])
+            batches = make_batches(widths, steps[q]) * REPEATS[case][q]
             epochs = EPOCHS[case][q]
+            per_step = sampler_seconds_per_step()
             total_steps = epochs * len(batches)
             baseline = timed_run(widths, batches, list, epochs)
             for name, make in factories.items():
-                run = timed_run(widths, batches, make, epochs)
+                if args.only and name not in args.only:
+                    continue
+                spent: list[float] = []
+                run = timed_run(widths, batches, make, epochs, spent)
                 pairs = alternate(baseline, run, pairs=PAIRS[case][q])
+                spent = spent[-len(pairs) :]  # the warm-up's left out
+                # What the reporters' own code took, as a share of the run without them: the
+                # sampler's per-step call and every report() call, timed inside the run.
+                attributed = summarize(
+                    [(s + total_steps * per_step) / a for s, (a, _) in zip(spent, pairs, strict=True)]
+                )
                 ratios = summarize([b / a for a, b in pairs])
                 per_step_us = summarize([(b - a) / total_steps * 1e6 for a, b in pairs])
                 results.setdefault(name, {})[case] = {
@@ -175,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": ratios,
                     "per_step_us": per_step_us,
                     "steps": total_steps,
+                    "attributed": attributed,
                 }
                 results[name]["once_per_run_ms"] = once_per_run_ms(make)
                 spread = f"[{ratios['q1']:.4f}-{ratios['q3']:.4f}]"
@@ -183,22 +239,34 @@ def main(argv: list[str] | None = None) -> int:
     for name, by_case in results.items():
         mlp, tiny = by_case["mlp-1M"]["ratio"], by_case["tiny"]["per_step_us"]
         verdict = "yes" if mlp["q3"] <= TARGET else ("no" if mlp["q1"] > TARGET else "inconclusive")
+        own = by_case["mlp-1M"]["attributed"]
         rows.append(
             [
                 name,
                 f"{mlp['median']:.4f} [{mlp['q1']:.4f}-{mlp['q3']:.4f}]",
                 verdict,
+                f"{own['median'] * 100:.3f}% [{own['q1'] * 100:.3f}-{own['q3'] * 100:.3f}]",
                 f"{tiny['median']:.1f} [{tiny['q1']:.1f} to {tiny['q3']:.1f}]",
                 f"{by_case['once_per_run_ms']:.1f}",
             ]
         )
     print()
-    headers = ["reporter", "mlp-1M on/off med [IQR]", f"<= {TARGET}", "tiny µs/step med [IQR]", "once/run ms"]
+    headers = [
+        "reporter",
+        "mlp-1M on/off med [IQR]",
+        f"<= {TARGET}",
+        "mlp-1M own code",
+        "tiny µs/step med [IQR]",
+        "once/run ms",
+    ]
     print_table(headers, rows)
     print(
         f"\non/off: median over alternated pairs of (run with the reporter) / (run without) on the "
         f"1M-parameter MLP;\n'yes' when the whole IQR is <= {TARGET}, 'no' when all of it is above, "
-        "else inconclusive.\nµs/step: (with - without) / steps on the 154-parameter model.  once/run: "
+        "else inconclusive.\nown code: the time spent inside the reporters' report() and the progress "
+        "sampler's per-step\ncall, timed inside the runs, over the run without reporters (threads of a "
+        "reporter's own are\nnot in it; the on/off ratio has them).\n"
+        "µs/step: (with - without) / steps on the 154-parameter model.  once/run: "
         "start, first and last\nevents and close of the reporter alone (median of 5), included in the runs "
         "above.  "
         f"Total {time.perf_counter() - started:.0f} s."

@@ -22,7 +22,6 @@ What happens, in order:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, TypeVar
 
@@ -56,19 +55,11 @@ from lamploop.loop.epoch_driver import epochs
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
-from lamploop.metrics import metrics_of
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.reporting.emitter import EventEmitter
-from lamploop.reporting.events import (
-    EpochFinished,
-    EpochStarted,
-    PeerJoined,
-    RunFinished,
-    RunStarted,
-    ValidationFinished,
-)
+from lamploop.reporting.epoch_events import EpochEvents
+from lamploop.reporting.events import PeerJoined, RunFinished, RunStarted
 from lamploop.reporting.reporter import Reporter
-from lamploop.reporting.sampler import ProgressSampler
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -142,13 +133,8 @@ class _RootEpochs:
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
         if replica.average is not None and init_state is not None and init_state.averaged_count:
             replica.average.load(init_state.averaged_model, init_state.averaged_count)
-        self.emit = emit
-        self.sampler: ProgressSampler | None = None
-        if emit:
-            self.sampler = ProgressSampler(emit, wait_seconds=_wait_seconds(replica.channel))
-            replica.after_step = self.sampler.after_step
-        self.epoch_began = time.monotonic()
-        self.epoch_steps: int | None = None  # the last epoch's steps: the next one's expected length
+        self.events = EpochEvents(emit, _wait_seconds(replica.channel))
+        replica.after_step = self.events.after_step
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
         average = self.replica.average
@@ -189,15 +175,13 @@ class _RootEpochs:
             await self.control.broadcast(command)
 
     def _epoch_starts(self, lr_factor: float) -> None:
-        self.epoch_began = time.monotonic()
-        if self.sampler is None:
-            return
-        steps_done = examples_done = 0
         resume = self.replica.resume_at
         if resume is not None and resume.epoch == self.next_epoch:
-            steps_done, examples_done = resume.steps_done, sum(resume.example_counts)
-        self.sampler.start_epoch(self.next_epoch, steps_done, examples_done)
-        self.emit(EpochStarted(self.next_epoch, lr_factor, steps_done, self.epoch_steps, examples_done))
+            self.events.epoch_started(
+                self.next_epoch, lr_factor, resume.steps_done, sum(resume.example_counts)
+            )
+        else:
+            self.events.epoch_started(self.next_epoch, lr_factor)
 
     async def train(self, lr_factor: float) -> float:
         await self.tell(Train(epoch=self.next_epoch, lr_factor=lr_factor))
@@ -213,11 +197,9 @@ class _RootEpochs:
 
     async def validate(self) -> float:
         await self.tell(Valid(epoch=self.next_epoch))
-        began = time.monotonic()
+        self.events.validation_started()
         loss = await self.replica.validate(self.next_epoch)
-        if self.emit:
-            seconds = time.monotonic() - began
-            self.emit(ValidationFinished(self.next_epoch, float(loss), metrics_of(loss), seconds))
+        self.events.validated(self.next_epoch, loss)
         return loss
 
     async def save_best(self) -> None:
@@ -226,11 +208,7 @@ class _RootEpochs:
         }
 
     async def after_epoch(self, state: LoopState, schedule_state: Any) -> None:
-        if self.sampler is not None:
-            seconds = time.monotonic() - self.epoch_began
-            steps, examples = self.sampler.steps_done, self.sampler.examples
-            self.epoch_steps = steps
-            self.emit(EpochFinished(state, seconds=seconds, steps=steps, examples=examples))
+        self.events.epoch_finished(state)
         self.state, self.schedule_state, self.next_epoch = state, schedule_state, state.epoch
         if self.checkpoint_position is not None:
             # The start of the next epoch is a step boundary too: step 0, with every rank's RNG states.

@@ -1,0 +1,137 @@
+"""``buffer_batches``: a batch-stream factory that draws its batches from a stream buffer.
+
+An "epoch" of a streamed run is ``batches_per_epoch`` batches drawn from the rank's buffer
+while producers keep filling it (validation and checkpoints then come every
+``batches_per_epoch`` batches, as after any epoch), or fewer when the producers are done
+and the buffer runs dry: the last batch may be short, and an epoch after the end of the
+stream has no batch on this rank (it takes part with zero examples, lamploop's
+uneven-stream rule).  :func:`stream_ended` tells whether the end came.
+
+The buffer lives on the event loop that fills it (its receiver's).  A run of several ranks
+trains on a worker thread with an event loop of its own (docs/architecture.md): the stream
+then reads the buffer on the buffer's loop, through anyio's thread portal, in slices of
+``WAIT_SLICE_S`` seconds, so a run that ends while producers are silent is never stuck.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import torch
+
+from lamploop.batches import BatchContext, BatchStreamFactory
+from lamploop.errors import ConfigurationError
+from lamploop.settings import check_int
+from lamploop.streaming.buffers import StreamBuffer, StreamEnded
+from lamploop.streaming.sample import Sample
+
+__all__ = ["WAIT_SLICE_S", "buffer_batches", "stack_samples", "stream_ended"]
+
+WAIT_SLICE_S = 0.1
+"""Longest single wait of a worker thread on the buffer's event loop."""
+
+Collate = Callable[[Sequence[Sample]], Any]
+
+
+def stack_samples(features: str = "x", target: str = "y") -> Collate:
+    """A collate function: ``(stack of samples' features, stack of their targets)``."""
+
+    def collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            x = torch.stack([s.tensors[features] for s in samples])
+            y = torch.stack([s.tensors[target] for s in samples])
+        except KeyError as missing:
+            keys = sorted(samples[0].tensors)
+            msg = f"stack_samples: a sample has no tensor {missing}; its tensors are {keys}"
+            raise ConfigurationError(msg) from None
+        return x, y
+
+    return collate
+
+
+def stream_ended(buffer: StreamBuffer) -> bool:
+    """Whether the producers are done and ``buffer`` is drained: no batch will come."""
+    return buffer.ended
+
+
+class _BufferReader:
+    """Reads batches from a buffer on its own event loop, from that loop or from another thread."""
+
+    def __init__(self, buffer: StreamBuffer) -> None:
+        self.buffer = buffer
+        self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
+
+    async def batch(self, n: int) -> list[Sample] | None:
+        """Up to ``n`` samples (fewer at the end of the stream); ``None`` once it ended."""
+        if threading.get_ident() == self._loop_thread:
+            try:
+                return await self.buffer.get_batch(n)
+            except StreamEnded:
+                return None
+        while True:  # a worker thread: wait on the buffer's loop, a slice at a time
+            got = anyio.from_thread.run(self._within, n, token=self._token)
+            if got is not None:
+                return got or None
+            await anyio.lowlevel.checkpoint()  # let the worker's loop see a cancellation
+
+    async def _within(self, n: int) -> list[Sample] | None:
+        """A batch, ``[]`` when the stream ended, ``None`` when nothing came within a slice."""
+        with anyio.move_on_after(WAIT_SLICE_S):
+            try:
+                return await self.buffer.get_batch(n)
+            except StreamEnded:
+                return []
+        return None
+
+
+def buffer_batches(
+    buffer: StreamBuffer,
+    *,
+    batch_size: int,
+    batches_per_epoch: int,
+    collate: Collate | None = None,
+) -> BatchStreamFactory:
+    """A :data:`~lamploop.batches.BatchStreamFactory` over ``buffer`` (this rank's).
+
+    Make it on the event loop that fills ``buffer`` (where its receiver runs).
+
+    Args:
+        buffer: where the samples wait.
+        batch_size: samples per batch (at most the buffer's capacity).
+        batches_per_epoch: how many batches make an epoch (fewer at the end of the stream).
+        collate: turns a list of samples into a batch (default: :func:`stack_samples`,
+            ``(x, y)`` from the tensors named ``"x"`` and ``"y"``).
+
+    Raises:
+        ConfigurationError: a count is not a positive int, or ``batch_size`` exceeds the
+            buffer's capacity (a batch could never be filled).
+    """
+    try:
+        check_int("batch_size", batch_size, 1)
+        check_int("batches_per_epoch", batches_per_epoch, 1)
+    except ConfigurationError as exc:
+        msg = f"buffer_batches: {exc}"
+        raise ConfigurationError(msg) from None
+    if batch_size > buffer.capacity:
+        msg = f"buffer_batches: batch_size={batch_size} exceeds the buffer's capacity {buffer.capacity}"
+        raise ConfigurationError(msg)
+    reader = _BufferReader(buffer)
+    make_batch = collate if collate is not None else stack_samples()
+
+    def factory(context: BatchContext) -> AsyncIterator[Any]:
+        async def stream() -> AsyncIterator[Any]:
+            for _ in range(batches_per_epoch):
+                samples = await reader.batch(batch_size)
+                if samples is None:
+                    return
+                yield make_batch(samples)
+
+        return stream()
+
+    return factory

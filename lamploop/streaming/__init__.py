@@ -1,9 +1,36 @@
-"""Online training from streaming producers (work in progress: see docs/streaming.md once it lands).
+"""Online training from streaming producers (in progress: issue 10).
 
 Samples (:class:`~lamploop.streaming.sample.Sample`) arrive from producers, wait in a
-buffer, and batches are drawn from the buffer while more arrive.
+buffer (:mod:`lamploop.streaming.buffers`: FIFO, FIRO, reservoir), and batches are drawn
+from the buffer while more arrive (:func:`~lamploop.streaming.batches.buffer_batches`); a
+run ends with its stream (:func:`~lamploop.streaming.schedule.until_stream_ends`).
 """
 
+from lamploop.streaming.batches import buffer_batches, stack_samples, stream_ended
+from lamploop.streaming.buffers import (
+    BufferClosedError,
+    DuplicateSampleError,
+    FifoBuffer,
+    FiroBuffer,
+    ReservoirBuffer,
+    StreamBuffer,
+    StreamEnded,
+)
 from lamploop.streaming.sample import Sample, SampleSink
+from lamploop.streaming.schedule import until_stream_ends
 
-__all__ = ["Sample", "SampleSink"]
+__all__ = [
+    "BufferClosedError",
+    "DuplicateSampleError",
+    "FifoBuffer",
+    "FiroBuffer",
+    "ReservoirBuffer",
+    "Sample",
+    "SampleSink",
+    "StreamBuffer",
+    "StreamEnded",
+    "buffer_batches",
+    "stack_samples",
+    "stream_ended",
+    "until_stream_ends",
+]

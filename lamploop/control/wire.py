@@ -52,6 +52,7 @@ __all__ = [
     "preauth_frame_limit",
     "proof_matches",
     "root_proof",
+    "token_proof",
 ]
 
 PROTOCOL_VERSION: Final = 2
@@ -396,6 +397,16 @@ def _mac(token: bytes, *parts: bytes) -> str:
     for part in parts:
         mac.update(_HEADER.pack(len(part)) + part)
     return mac.hexdigest()
+
+
+def token_proof(token: bytes, label: bytes, *parts: bytes) -> str:
+    """HMAC-SHA256 under ``token`` of ``label`` and ``parts``, each length-prefixed, as hex.
+
+    The generic form of :func:`follower_proof` and :func:`root_proof`, for other handshakes
+    that prove the same kind of shared token (the streaming transport's).  Give every kind of
+    proof its own ``label``, so that one cannot be replayed or reflected as another.
+    """
+    return _mac(token, label, *parts)
 
 
 def follower_proof(token: bytes, *, root_nonce: str, hello: Hello) -> str:

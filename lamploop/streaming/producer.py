@@ -1,0 +1,720 @@
+"""The producers' end of the streaming transport: send samples to a trainer, resend what it did not take.
+
+:class:`AsyncProducer` numbers the samples it is given (seq 0, 1, 2, ... from
+``start_seq``), keeps each until the receiver acknowledges it, and holds the caller back
+(``send`` waits) when ``resend_window`` samples are unacknowledged.  When the connection
+drops it reconnects with backoff, and the receiver's Welcome says which seq it holds up
+to: everything after it is resent, in order.  :class:`BlockingProducer` is the same for
+plain (synchronous) simulation codes: it runs an event loop on a thread of its own
+(:func:`anyio.from_thread.start_blocking_portal`).
+
+A producer whose process was killed and restarted may simply start again from 0: the
+receiver drops every sample at or below what it already holds, by seq (the producer learns
+that number in the Welcome and does not even send those).  This assumes the restarted
+producer makes the same samples in the same order, as a deterministic simulation does.  Or
+it may be given ``start_seq=``: the first seq the receiver had not acknowledged (say a saved
+:attr:`AsyncProducer.acknowledged_seq` + 1); a later one would leave a gap, which the
+receiver refuses, and the producer fails saying which seqs are missing.
+
+.. versionadded:: 0.2
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import sys
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
+import attrs
+import torch
+
+from lamploop.control import _tls as tls
+from lamploop.control._settings import check_int, check_seconds
+from lamploop.control._supervisor import Supervisor
+from lamploop.control.wire import new_nonce, proof_matches
+from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError
+from lamploop.streaming.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_SEQ,
+    PREAUTH_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Challenge,
+    Done,
+    FramedStream,
+    Hello,
+    Refuse,
+    Welcome,
+    check_producer_name,
+    check_token,
+    encode_frame,
+    encode_tensors,
+    producer_proof,
+    receiver_proof,
+    sample_frame,
+)
+
+__all__ = ["BLOCKING_AHEAD", "AsyncProducer", "BlockingProducer", "ProducerStats"]
+
+logger = logging.getLogger("lamploop.streaming")
+
+_WRITE_BATCH_BYTES = 256 * 1024
+
+BLOCKING_AHEAD = 32
+"""How many samples a :class:`BlockingProducer`'s caller may hand over before the loop keeps them."""
+_FIRST_BACKOFF, _MAX_BACKOFF = 0.05, 1.0
+
+
+@attrs.frozen
+class ProducerStats:
+    """What a producer did so far.
+
+    Attributes:
+        sent: sample frames sent for the first time.
+        resent: sample frames sent again after a reconnection.
+        skipped: samples not sent because the receiver already held them (a restarted producer).
+        connections: connections made (the first, then one per reconnection).
+    """
+
+    sent: int
+    resent: int
+    skipped: int
+    connections: int
+
+
+class _Signal:
+    """Wakes up every task waiting for "something changed" (one event loop, no lock needed)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class _Retry(Exception):
+    """The connection was lost or could not be made; try again (internal)."""
+
+
+@attrs.define
+class _Session:
+    """One connection's progress: the highest seq sent on it, whether Done was sent."""
+
+    sent: int
+    done_sent: bool = False
+
+
+class AsyncProducer:
+    """Streams samples to a :class:`~lamploop.streaming.receiver.SampleReceiver`; an async context manager.
+
+    ``async with AsyncProducer(receiver_address, name="sim-3", token=...) as producer:`` then
+    ``await producer.send({"x": x, "y": y})`` for each sample and ``await producer.done()``
+    at the end (leaving the block normally calls it too).  The connection is made in the
+    background, and made again when it drops.  A failure that cannot be retried (a wrong
+    token, a receiver that refuses this producer, one unreachable for ``reconnect_timeout``)
+    is raised by the :meth:`send` or :meth:`done` that waits, or else cancels the block's
+    body and is raised when it ends.
+
+    Args:
+        address: the receiver's ``(host, port)`` (:attr:`SampleReceiver.address`).
+        name: this producer's name, unique among the run's producers (1 to 200 bytes).
+        token: the secret shared with the receiver.
+        resend_window: unacknowledged samples kept for resending; :meth:`send` waits while
+            this many are unacknowledged (back-pressure: the receiver's sink is full).
+        keep_acknowledged: acknowledged samples also kept (the last ones), so that a receiver
+            restored from a checkpoint older than its acknowledgements gets them again.
+        start_seq: the first sample's seq: 0, or for a restarted producer the first seq not
+            acknowledged before (0 works too: what the receiver holds is skipped).
+        max_frame_bytes: the largest frame sent (a sample's tensors plus about 100 bytes).
+        reconnect_timeout: seconds to keep trying to reach the receiver before failing.
+        handshake_timeout: seconds the receiver may take to answer, once connected.
+        ack_timeout: a connection on which sent samples wait this long without any
+            acknowledgement is dropped and made again.
+        ssl_context: TLS (a client context trusting the receiver's certificate); ``None``: no TLS.
+
+    Raises:
+        ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        name: str,
+        token: bytes | str,
+        resend_window: int = 64,
+        keep_acknowledged: int = 0,
+        start_seq: int = 0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        reconnect_timeout: float = 300.0,
+        handshake_timeout: float = 10.0,
+        ack_timeout: float = 300.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        reason = check_producer_name(name)
+        if reason is not None:
+            raise ConfigurationError(f"name: {reason}")
+        if not (isinstance(address, tuple) and len(address) == 2 and isinstance(address[0], str)):
+            msg = f"address must be a (host, port) tuple, got {address!r:.80}"
+            raise ConfigurationError(msg)
+        check_int("port", address[1], 1, 65535)
+        self._token = check_token(token)
+        check_int("resend_window", resend_window, 1)
+        check_int("keep_acknowledged", keep_acknowledged, 0)
+        check_int("start_seq", start_seq, 0, MAX_SEQ)
+        check_int("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
+        check_seconds(
+            reconnect_timeout=reconnect_timeout, handshake_timeout=handshake_timeout, ack_timeout=ack_timeout
+        )
+        self.name = name
+        self._host, self._port = address
+        self._receiver = f"the receiver at {self._host}:{self._port}"
+        self._window = resend_window
+        self._keep_acknowledged = keep_acknowledged
+        self._max_frame_bytes = max_frame_bytes
+        self._reconnect_timeout = reconnect_timeout
+        self._handshake_timeout = handshake_timeout
+        self._ack_timeout = ack_timeout
+        self._tls = tls.check_context("ssl_context", ssl_context, server_side=False)
+        self._sup = Supervisor(on_failure=self._wake_up)
+        self._changed = _Signal()
+        self._send_lock = anyio.Lock()
+        self._queued = 0  # senders waiting for room in the window
+        # (seq, frame), contiguous seqs: the acknowledged ones kept, then the unacknowledged ones
+        self._frames: deque[tuple[int, bytes]] = deque()
+        self._next_seq = start_seq
+        self._acked = start_seq - 1
+        self._highest_sent = start_seq - 1
+        self._entered = self._closed = False
+        self._done_requested = self._finished = False
+        self._sent = self._resent = self._skipped = self._connections = 0
+
+    # -- what the owner reads --
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next sample gets."""
+        return self._next_seq
+
+    @property
+    def acknowledged_seq(self) -> int:
+        """The highest seq the receiver holds with every one before it (as far as this producer knows)."""
+        return self._acked
+
+    @property
+    def unacknowledged(self) -> int:
+        """Samples kept until the receiver acknowledges them."""
+        if not self._frames:
+            return 0
+        first, last = self._frames[0][0], self._frames[-1][0]
+        return max(last - max(self._acked, first - 1), 0)
+
+    @property
+    def stats(self) -> ProducerStats:
+        """What was sent so far."""
+        return ProducerStats(self._sent, self._resent, self._skipped, self._connections)
+
+    # -- sending --
+
+    async def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Queue one sample (its named tensors) for the receiver; its seq.
+
+        Returns once the sample is kept for sending: waits while ``resend_window`` samples
+        are unacknowledged.  The tensors are copied (encoded) before it returns.
+
+        Raises:
+            TypeError, ValueError: ``tensors`` is not a non-empty mapping of str to tensors.
+            FrameError: the sample's frame would be over ``max_frame_bytes``.
+            ControlChannelError: the producer failed (see the class), is done, or is not entered.
+        """
+        return await self._send_payload(encode_tensors(tensors))
+
+    async def _send_payload(self, payload: bytes) -> int:
+        return await self._submit(
+            lambda seq: sample_frame(self.name, seq, payload, max_frame_bytes=self._max_frame_bytes)
+        )
+
+    async def _submit(self, frame_for: Callable[[int], bytes]) -> int:
+        """Keep the frame ``frame_for(seq)`` of the next seq once the window has room; the seq."""
+        self._check_open("send()")
+        if self._queued == 0 and self._has_room():
+            # Kept without switching tasks, so that samples sent in a row leave in one write
+            # when the caller next waits (or the window fills).
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return self._keep(frame_for)
+        self._queued += 1  # no sender overtakes this one by the path above
+        try:
+            async with self._send_lock:
+                with self._sup.waiting():
+                    while not self._has_room():
+                        self._sup.raise_failure()
+                        await self._changed.wait()
+                self._check_open("send()")
+                return self._keep(frame_for)
+        finally:
+            self._queued -= 1
+
+    def _has_room(self) -> bool:
+        return self._next_seq <= self._acked or self.unacknowledged < self._window
+
+    def _keep(self, frame_for: Callable[[int], bytes]) -> int:
+        """Number the sample and keep its frame for the writer (or skip it if the receiver holds it)."""
+        seq = self._next_seq
+        if seq <= self._acked:  # the receiver holds it already (a restarted producer)
+            self._next_seq += 1
+            self._skipped += 1
+            return seq
+        frame = frame_for(seq)  # raises FrameError over the limit: the seq is not taken
+        self._next_seq += 1
+        self._frames.append((seq, frame))
+        self._changed.notify()
+        return seq
+
+    async def done(self) -> None:
+        """Send Done once every sample is sent, and wait until the receiver acknowledged them all.
+
+        Raises:
+            ControlChannelError: the producer failed (see the class) or is not entered.
+        """
+        self._check_open("done()", after_done=True)
+        self._done_requested = True
+        self._changed.notify()
+        with self._sup.waiting():
+            while not self._finished:
+                self._sup.raise_failure()
+                await self._changed.wait()
+
+    def _check_open(self, what: str, *, after_done: bool = False) -> None:
+        self._sup.raise_failure()
+        if not self._entered or self._closed:
+            msg = f"producer {self.name!r}: {what} outside `async with`"
+            raise ControlChannelError(msg)
+        if self._done_requested and not after_done:
+            msg = f"producer {self.name!r}: {what} after done()"
+            raise ControlChannelError(msg)
+
+    def _wake_up(self) -> None:
+        self._changed.notify()
+
+    # -- life --
+
+    async def __aenter__(self) -> AsyncProducer:
+        if self._entered:
+            msg = f"producer {self.name!r} can be entered only once"
+            raise ControlChannelError(msg)
+        self._entered = True
+        await self._sup.enter()
+        self._sup.tg.start_soon(self._run)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        flushing: BaseException | None = None
+        if exc is None and not self._done_requested and self._sup.failure is None:
+            try:
+                await self.done()  # leaving normally: deliver everything first
+            except ControlChannelError:
+                pass  # the supervisor's failure: close() raises it
+            except BaseException as error:  # cancelled while flushing
+                flushing = error
+        elif exc is not None and self.unacknowledged:
+            logger.warning(
+                "producer %r left with %d unacknowledged samples (from seq %d)",
+                self.name,
+                self.unacknowledged,
+                self._acked + 1,
+            )
+        self._closed = True
+        remaining = self._sup.leave_body(exc if flushing is None else flushing)
+        result = await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+        if flushing is not None:
+            raise flushing
+        return result
+
+    # -- the connection, in the background --
+
+    def _has_work(self) -> bool:
+        pending_done = self._done_requested and not self._finished
+        return self._connections == 0 or self.unacknowledged > 0 or pending_done
+
+    async def _run(self) -> None:
+        try:
+            await self._connect_forever()
+        except ControlChannelError as exc:
+            self._sup.fail(exc)
+
+    async def _connect_forever(self) -> None:
+        failing_since: float | None = None
+        delay = _FIRST_BACKOFF
+        attempts = 0
+        while not self._finished:
+            while not self._has_work():  # idle: connect again when there is something to send
+                await self._changed.wait()
+            try:
+                conn = await self._connect()
+                try:
+                    welcome = await self._greet(conn)
+                    self._connections += 1
+                    failing_since, attempts = None, 0
+                    progress = await self._session(conn, welcome)
+                finally:
+                    await conn.aclose()
+                # Lost after the handshake: again at once if it got somewhere, else after a pause.
+                delay = _FIRST_BACKOFF if progress else min(delay * 2, _MAX_BACKOFF)
+                if not progress and not self._finished:
+                    await anyio.sleep(delay)
+                continue
+            except _Retry as exc:
+                error = str(exc)
+            attempts += 1
+            now = anyio.current_time()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= self._reconnect_timeout:
+                msg = (
+                    f"producer {self.name!r} could not reach {self._receiver} for "
+                    f"{self._reconnect_timeout:g} s ({attempts} attempts; last error: {error})"
+                )
+                raise ControlChannelError(msg)
+            logger.debug("producer %r: %s; retrying in %g s", self.name, error, delay)
+            await anyio.sleep(min(delay, self._reconnect_timeout - (now - failing_since)))
+            delay = min(delay * 2, _MAX_BACKOFF)
+
+    async def _connect(self) -> FramedStream:
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                stream: anyio.abc.ByteStream = await anyio.connect_tcp(self._host, self._port)
+        except OSError as exc:  # TimeoutError included
+            raise _Retry(f"{self._receiver} is not reachable: {type(exc).__name__}: {exc}") from exc
+        return FramedStream(stream, max_frame_bytes=PREAUTH_FRAME_BYTES, peer=self._receiver)
+
+    async def _greet(self, conn: FramedStream) -> Welcome:
+        """The producer's side of the handshake; the receiver's welcome.
+
+        Raises:
+            HandshakeError: the receiver refused this producer, or did not prove the token.
+            _Retry: the connection failed, or the receiver did not answer in time.
+        """
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                if self._tls is not None:
+                    conn.stream = await self._secure(conn.stream, self._tls)
+                challenge = await conn.receive()
+                if not isinstance(challenge, Challenge):
+                    what = "closed" if challenge is None else f"sent {type(challenge).__name__}"
+                    raise _Retry(f"{self._receiver} {what} instead of a challenge")
+                hello = Hello(PROTOCOL_VERSION, self.name, new_nonce(), proof="")
+                proof = producer_proof(self._token, receiver_nonce=challenge.nonce, hello=hello)
+                hello = attrs.evolve(hello, proof=proof)
+                await conn.send(encode_frame(hello))
+                reply = await conn.receive()
+        except TimeoutError as exc:
+            msg = f"{self._receiver} did not finish the handshake in {self._handshake_timeout:g} s"
+            raise _Retry(msg) from exc
+        except HandshakeError:
+            raise
+        except ControlChannelError as exc:  # transport errors and bad frames
+            raise _Retry(str(exc)) from exc
+        if isinstance(reply, Refuse):
+            msg = f"producer {self.name!r} refused by {self._receiver}: {reply.reason}"
+            raise HandshakeError(msg)
+        if not isinstance(reply, Welcome):
+            what = "closed the connection" if reply is None else f"sent {type(reply).__name__}"
+            raise _Retry(f"{self._receiver} {what} instead of answering the hello")
+        expected = receiver_proof(
+            self._token, receiver_nonce=challenge.nonce, hello=hello, acked_seq=reply.acked_seq
+        )
+        if not proof_matches(expected, reply.proof):
+            msg = f"producer {self.name!r}: {self._receiver} did not prove the shared token (another token?)"
+            raise HandshakeError(msg)
+        return reply
+
+    async def _secure(self, stream: anyio.abc.ByteStream, context: ssl.SSLContext) -> anyio.abc.ByteStream:
+        try:
+            return await tls.wrap(stream, context, server_side=False, hostname=self._host)
+        except ControlChannelError as exc:
+            if isinstance(exc.__cause__, ssl.SSLError):  # a certificate not trusted, no TLS there: for good
+                question = f"is {self._receiver} a sample receiver with TLS, and is its certificate trusted?"
+                msg = f"producer {self.name!r}: {exc} ({question})"
+                raise HandshakeError(msg) from exc
+            raise  # a reset or a hang-up: try again
+
+    def _take_welcome(self, acked: int) -> None:
+        """Start from what the receiver holds: resend what follows, or fail if that was dropped."""
+        lowest = self._frames[0][0] if self._frames else self._next_seq
+        if acked + 1 < lowest:
+            msg = (
+                f"producer {self.name!r}: {self._receiver} holds seqs up to {acked} only, but this producer "
+                f"no longer has {acked + 1}..{lowest - 1} (acknowledged before, or before start_seq): the "
+                "receiver was restored from an older state than it acknowledged; keep_acknowledged= "
+                "keeps that many acknowledged samples for such a resend"
+            )
+            raise ControlChannelError(msg)
+        if self._frames:  # kept but never sent, and held by the receiver already: skipped too
+            first, last = self._frames[0][0], self._frames[-1][0]
+            self._skipped += max(min(acked, last) - max(self._highest_sent + 1, first) + 1, 0)
+        self._acked = acked
+        self._trim()
+        self._changed.notify()
+
+    def _trim(self) -> None:
+        """Drop acknowledged samples but the last ``keep_acknowledged``."""
+        if not self._frames:
+            return
+        first, last = self._frames[0][0], self._frames[-1][0]
+        kept = max(min(self._acked, last) - first + 1, 0)
+        while kept > self._keep_acknowledged:
+            self._frames.popleft()
+            kept -= 1
+
+    async def _session(self, conn: FramedStream, welcome: Welcome) -> bool:
+        """Send and resend on one connection until it is lost or done (returns) or fails for good (raises).
+
+        Returns whether the receiver acknowledged anything new on it.
+        """
+        self._take_welcome(welcome.acked_seq)
+        acked_before = self._acked
+        conn.decoder.max_frame_bytes = PREAUTH_FRAME_BYTES  # the receiver sends only small frames
+        logger.info("producer %r connected to %s (holds up to %d)", self.name, self._receiver, self._acked)
+        session = _Session(sent=self._acked)
+        lost: list[str] = []
+        refused: list[ControlChannelError] = []  # raised outside the task group, unwrapped
+        async with anyio.create_task_group() as tg:
+
+            async def write() -> None:
+                try:
+                    await self._write(conn, session)
+                except _Retry as exc:
+                    lost.append(str(exc))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(write)
+            try:
+                await self._read(conn, session)
+            except _Retry as exc:
+                lost.append(str(exc))
+            except ControlChannelError as exc:
+                refused.append(exc)
+            tg.cancel_scope.cancel()
+        if refused:
+            raise refused[0]
+        if lost and not self._finished:
+            logger.info("producer %r: lost the connection (%s); reconnecting", self.name, lost[0])
+        return self._acked > acked_before or self._finished
+
+    async def _write(self, conn: FramedStream, session: _Session) -> None:
+        while True:
+            session.sent = max(session.sent, self._acked)
+            batch: list[bytes] = []
+            size = 0
+            if self._frames:
+                first = self._frames[0][0]
+                for index in range(max(session.sent + 1 - first, 0), len(self._frames)):
+                    frame = self._frames[index][1]
+                    batch.append(frame)
+                    size += len(frame)
+                    if size >= _WRITE_BATCH_BYTES:
+                        break
+            if batch:
+                await self._send(conn, b"".join(batch) if len(batch) > 1 else batch[0])
+                upto = session.sent + len(batch)
+                resent = max(min(upto, self._highest_sent) - session.sent, 0)
+                self._resent += resent
+                self._sent += len(batch) - resent
+                self._highest_sent = max(self._highest_sent, upto)
+                session.sent = upto
+                continue
+            if self._done_requested and not session.done_sent and session.sent >= self._next_seq - 1:
+                await self._send(conn, encode_frame(Done(self._next_seq - 1)))
+                session.done_sent = True
+            await self._changed.wait()
+
+    async def _send(self, conn: FramedStream, data: bytes) -> None:
+        try:
+            with anyio.fail_after(self._ack_timeout):
+                await conn.send(data)
+        except TimeoutError as exc:
+            raise _Retry(f"sending to {self._receiver} took over {self._ack_timeout:g} s") from exc
+        except ControlChannelError as exc:
+            raise _Retry(str(exc)) from exc
+
+    async def _read(self, conn: FramedStream, session: _Session) -> None:
+        """Read acknowledgements until the receiver answers Done; raises _Retry if the connection is lost."""
+        while not self._finished:
+            message = None
+            with anyio.move_on_after(self._ack_timeout) as silence:
+                try:
+                    message = await conn.receive()
+                except ControlChannelError as exc:  # FrameError included
+                    raise _Retry(str(exc)) from exc
+            if silence.cancelled_caught:
+                if session.sent > self._acked or session.done_sent:
+                    raise _Retry(f"{self._receiver} acknowledged nothing for {self._ack_timeout:g} s")
+                continue
+            if message is None:
+                raise _Retry(f"{self._receiver} closed the connection")
+            if isinstance(message, Refuse):
+                msg = f"producer {self.name!r} refused by {self._receiver}: {message.reason}"
+                raise ControlChannelError(msg)
+            if isinstance(message, Done) and session.done_sent and message.last_seq >= self._next_seq - 1:
+                self._acked = max(self._acked, message.last_seq)
+                self._trim()
+                self._finished = True  # the receiver recorded our Done and holds every sample
+                self._changed.notify()
+                return
+            if not isinstance(message, Ack) or message.upto_seq > session.sent:
+                what = f"Ack({message.upto_seq})" if isinstance(message, Ack) else type(message).__name__
+                msg = f"{self._receiver} broke the protocol: it sent {what} (sent up to {session.sent})"
+                raise _Retry(msg)
+            if message.upto_seq > self._acked:
+                self._acked = message.upto_seq
+                self._trim()
+                self._changed.notify()
+
+
+class _Abandoned(Exception):
+    """The blocking producer's block ended with an error: leave without done() (internal)."""
+
+
+class BlockingProducer:
+    """:class:`AsyncProducer` for synchronous code: the same arguments, without ``await``.
+
+    ``with BlockingProducer(address, name=..., token=...) as producer:`` starts an event
+    loop on a thread of its own (:func:`anyio.from_thread.start_blocking_portal`), which keeps
+    the connection while the caller computes.  :meth:`send` encodes the sample on the
+    caller's thread and hands it over without waiting for the loop, up to
+    :data:`BLOCKING_AHEAD` samples ahead of it; past that (the window is full) it waits.
+    Leaving the block normally calls :meth:`done`; a failure in the background is raised by
+    the next :meth:`send` or :meth:`done`, or on leaving.  One thread at a time may use it;
+    not for use from inside an event loop (use :class:`AsyncProducer` there).
+    """
+
+    def __init__(self, address: tuple[str, int], *, name: str, token: bytes | str, **options: Any) -> None:
+        self._producer = AsyncProducer(address, name=name, token=token, **options)
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._hosting: Future[None] | None = None
+        self._leave: anyio.Event | None = None
+        self._abandon = False
+        self._next_seq = self._producer.next_seq
+        self._handed: deque[Future[int]] = deque()  # samples handed to the loop, not yet kept
+
+    @property
+    def name(self) -> str:
+        return self._producer.name
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next sample gets."""
+        return self._next_seq
+
+    @property
+    def acknowledged_seq(self) -> int:
+        """The highest seq the receiver holds with every one before it (as far as this producer knows)."""
+        return self._producer.acknowledged_seq
+
+    @property
+    def stats(self) -> ProducerStats:
+        """What was sent so far."""
+        return self._producer.stats
+
+    def __enter__(self) -> BlockingProducer:
+        if self._portal_cm is not None:
+            msg = f"producer {self.name!r} can be entered only once"
+            raise ControlChannelError(msg)
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        portal = self._portal = self._portal_cm.__enter__()
+        try:
+            self._leave = portal.call(anyio.Event)
+            self._hosting, _ = portal.start_task(self._host)
+        except BaseException:
+            self._portal_cm.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    async def _host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """The async producer's block, on the portal's loop, until the blocking block ends."""
+        assert self._leave is not None
+        try:
+            async with self._producer:
+                task_status.started()
+                await self._leave.wait()
+                if self._abandon:
+                    raise _Abandoned
+        except _Abandoned:
+            pass
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._portal_cm is None or self._portal is None or self._hosting is None or self._leave is None:
+            return
+        try:
+            self._abandon = exc is not None
+            try:
+                self._settle(0)
+            except ControlChannelError:
+                if exc is None:
+                    raise
+            if not self._hosting.done():
+                self._portal.call(self._leave.set)
+            try:
+                self._hosting.result()  # raises the producer's failure
+            except ControlChannelError:
+                if exc is None:
+                    raise
+                logger.warning("producer %r failed too", self.name, exc_info=True)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = None
+
+    def _portal_or_fail(self, what: str) -> anyio.from_thread.BlockingPortal:
+        if self._portal is None:
+            msg = f"producer {self.name!r}: {what} outside `with`"
+            raise ControlChannelError(msg)
+        return self._portal
+
+    def _settle(self, ahead: int) -> None:
+        """Wait until at most ``ahead`` handed samples are not kept yet; raise the first error."""
+        while self._handed and (len(self._handed) > ahead or self._handed[0].done()):
+            self._handed.popleft().result()
+
+    def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """As :meth:`AsyncProducer.send`; waits while the window is full (and the loop behind)."""
+        portal = self._portal_or_fail("send()")
+        self._settle(BLOCKING_AHEAD)  # raises a failure met meanwhile
+        seq = self._next_seq
+        # Encoded on this thread, in parallel with the loop's work.
+        frame = sample_frame(
+            self.name, seq, encode_tensors(tensors), max_frame_bytes=self._producer._max_frame_bytes
+        )
+
+        def frame_for(actual: int) -> bytes:
+            if actual != seq:  # only after an earlier send failed
+                msg = f"producer {self.name!r}: sample {seq} would go out as {actual}"
+                raise ControlChannelError(msg)
+            return frame
+
+        self._handed.append(portal.start_task_soon(self._producer._submit, frame_for))
+        self._next_seq += 1
+        return seq
+
+    def done(self) -> None:
+        """As :meth:`AsyncProducer.done`."""
+        portal = self._portal_or_fail("done()")
+        self._settle(0)
+        portal.call(self._producer.done)

@@ -1,0 +1,581 @@
+"""The trainer's end of the streaming transport: take producers' samples over TCP into a sink.
+
+:class:`SampleReceiver` listens, proves the shared token with each producer (both ways),
+tells it what it already holds, then puts every new sample into the sink *before*
+acknowledging it: an acknowledged sample is in the sink, so nothing acknowledged is ever
+lost, and a producer that reconnects resends exactly what was not acknowledged.  The wire
+format is :mod:`lamploop.streaming.wire`'s; the producers are in
+:mod:`lamploop.streaming.producer`.
+
+Per producer the receiver remembers the highest seq it holds with every one before it
+(:attr:`SampleReceiver.acknowledged`).  Save that with the trainer's state (along with the
+buffer it describes) and give it back as ``acknowledged=`` after a restart: producers then
+resend only what the restored state lacks.  A sample at or below it is a duplicate and is
+dropped (counted); one beyond the next seq would leave a gap and is refused.
+
+Strangers (bytes before the challenge, garbage, frames over the limit, a wrong token,
+silence past ``handshake_timeout``) and producers that break the protocol are refused:
+closed, counted in :attr:`SampleReceiver.refusals`, logged (a few lines per window), and
+none of it touches the other producers' connections.
+
+.. versionadded:: 0.2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.abc import SocketAttribute, TaskStatus
+
+from lamploop.control import _tls as tls
+from lamploop.control._connection import address_text, explain
+from lamploop.control._settings import check_int, check_seconds
+from lamploop.control._strangers import PendingHandshakes, spoke_first
+from lamploop.control._supervisor import Supervisor
+from lamploop.control.wire import new_nonce, proof_matches
+from lamploop.errors import ConfigurationError, ControlChannelError, FrameError
+from lamploop.streaming.sample import Sample, SampleSink
+from lamploop.streaming.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_SEQ,
+    PREAUTH_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Challenge,
+    Done,
+    FramedStream,
+    Hello,
+    Refuse,
+    SampleFrame,
+    Welcome,
+    check_producer_name,
+    check_token,
+    encode_frame,
+    producer_proof,
+    receiver_proof,
+)
+
+__all__ = ["IngestStats", "SampleReceiver"]
+
+logger = logging.getLogger("lamploop.streaming")
+
+_RECENT_REFUSALS = 16
+_REPLACE_TIMEOUT = 5.0
+_ACK_DELAY = 0.005
+"""Seconds after a put within which it is acknowledged, even if the next put waits."""
+
+
+@attrs.frozen
+class IngestStats:
+    """What a receiver took in so far.
+
+    Attributes:
+        samples: samples put into the sink.
+        bytes: their frames' bytes on the wire.
+        duplicates: samples dropped because the receiver already held them.
+        put_seconds: time spent awaiting ``sink.put`` (the back-pressure of the sink).
+        max_put_seconds: the longest single ``sink.put``.
+        refusals: connections refused (strangers, and producers that broke the protocol).
+    """
+
+    samples: int
+    bytes: int
+    duplicates: int
+    put_seconds: float
+    max_put_seconds: float
+    refusals: int
+
+
+class _Refusals:
+    """Counts refusals, remembers the last few, and logs at most ``burst`` lines per ``window`` seconds."""
+
+    def __init__(self, *, burst: int = 10, window: float = 10.0) -> None:
+        self.total = 0
+        self.recent: deque[str] = deque(maxlen=_RECENT_REFUSALS)
+        self._burst, self._window = burst, window
+        self._window_start = time.monotonic()
+        self._logged = self._suppressed = 0
+
+    def refused(self, peer: str, reason: str) -> None:
+        self.total += 1
+        self.recent.append(f"{peer}: {reason}")
+        now = time.monotonic()
+        if now - self._window_start >= self._window:
+            self.flush()
+            self._window_start, self._logged = now, 0
+        if self._logged < self._burst:
+            self._logged += 1
+            logger.warning("sample receiver refused %s: %s", peer, reason)
+        else:
+            self._suppressed += 1
+
+    def flush(self) -> None:
+        if self._suppressed:
+            logger.warning("sample receiver refused %d more connections (not logged)", self._suppressed)
+            self._suppressed = 0
+
+
+class _Stranger(Exception):
+    """A connection is refused; ``reply`` says whether to tell it why (internal)."""
+
+    def __init__(self, reason: str, *, reply: bool = False) -> None:
+        super().__init__(reason)
+        self.reply = reply
+
+
+@attrs.define
+class _Acks:
+    """What was acknowledged to one producer's connection, and a wake-up for the delayed ack."""
+
+    sent: int
+    lock: anyio.Lock = attrs.field(factory=anyio.Lock)
+    wake: anyio.Event = attrs.field(factory=anyio.Event)
+
+
+@attrs.define
+class _Active:
+    """A producer's connection being served: cancelled when the producer connects again."""
+
+    scope: anyio.CancelScope
+    ended: anyio.Event = attrs.field(factory=anyio.Event)
+
+
+class SampleReceiver:
+    """Takes samples from producers over TCP into ``sink``; an async context manager.
+
+    ``async with SampleReceiver(sink, token=...) as receiver:`` listens on ``host:port``
+    (``port=0`` picks a free port: read :attr:`address`) and serves producers until the block
+    ends.  If the sink's ``put`` raises, the receiver fails: the block's body is cancelled
+    and leaving it raises :class:`~lamploop.errors.ControlChannelError` (from the sink's
+    error).  A cancelled ``put`` must not have taken the sample (anyio's memory streams
+    behave so): it is not acknowledged, and will be resent.
+
+    Args:
+        sink: where the samples go (:class:`~lamploop.streaming.sample.SampleSink`); its
+            ``put`` may wait, which holds the producer back.
+        host, port: where to listen (``"0.0.0.0"`` only on trusted networks: see the security
+            notes of ``docs/control-channel.md``, which hold here too).
+        token: the secret shared with the producers; both sides prove they know it.
+        acknowledged: per producer, the highest seq already held with every one before it,
+            from a checkpoint (default: none).
+        producers_done: the producers that had already finished, from a checkpoint.
+        expected_producers: the producers to wait for in :meth:`wait_all_done`.
+        max_frame_bytes: the largest frame accepted once a producer proved the token.
+        handshake_timeout: a connection must finish the handshake within this many seconds.
+        idle_timeout: a producer's connection silent this long is closed (the producer
+            reconnects when it has something to send); also bounds each acknowledgement sent.
+        ack_every: acknowledge at least every this many samples; also whenever the
+            producer's stream has nothing more waiting.
+        max_pending_handshakes: connections handshaking at once; one more drops the oldest.
+        ssl_context: TLS for every connection (a server context with the receiver's
+            certificate), before the token handshake; ``None``: no TLS.
+
+    Raises:
+        ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        sink: SampleSink,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: bytes | str,
+        acknowledged: Mapping[str, int] | None = None,
+        producers_done: Iterable[str] = (),
+        expected_producers: Iterable[str] | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        handshake_timeout: float = 5.0,
+        idle_timeout: float = 300.0,
+        ack_every: int = 64,
+        max_pending_handshakes: int = 64,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        if not callable(getattr(sink, "put", None)):
+            msg = f"sink must have an async put(sample) (a SampleSink), got {type(sink).__name__}"
+            raise ConfigurationError(msg)
+        self._token = check_token(token)
+        check_int("port", port, 0, 65535)
+        check_int("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
+        check_int("ack_every", ack_every, 1)
+        check_int("max_pending_handshakes", max_pending_handshakes, 1)
+        check_seconds(handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
+        self._acked: dict[str, int] = {}
+        for name, seq in (acknowledged or {}).items():
+            _check_name("acknowledged", name)
+            check_int(f"acknowledged[{name!r}]", seq, -1, MAX_SEQ)
+            self._acked[name] = seq
+        self._done = {_check_name("producers_done", name) for name in producers_done}
+        self._expected = (
+            None
+            if expected_producers is None
+            else frozenset(_check_name("expected_producers", name) for name in expected_producers)
+        )
+        self._sink = sink
+        self._host, self._port = host, port
+        self._max_frame_bytes = max_frame_bytes
+        self._handshake_timeout = handshake_timeout
+        self._idle_timeout = idle_timeout
+        self._ack_every = ack_every
+        self._handshakes = PendingHandshakes(max_pending_handshakes)
+        self._tls = tls.check_context("ssl_context", ssl_context, server_side=True)
+        self._refusals = _Refusals()
+        self._active: dict[str, _Active] = {}
+        self._sup = Supervisor(on_failure=self._wake_up)
+        self._all_done_or_failed = anyio.Event()
+        self._address: tuple[str, int] | None = None
+        self._samples = self._bytes = self._duplicates = 0
+        self._put_seconds = self._max_put_seconds = 0.0
+        self._check_all_done()
+
+    # -- what the owner reads --
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the receiver listens on (the real port when ``port=0``)."""
+        if self._address is None:
+            msg = "the receiver is not listening yet: use `async with SampleReceiver(...) as receiver`"
+            raise ControlChannelError(msg)
+        return self._address
+
+    @property
+    def acknowledged(self) -> dict[str, int]:
+        """Per producer, the highest seq in the sink with every one before it (a copy: checkpoint it)."""
+        return dict(self._acked)
+
+    @property
+    def producers_done(self) -> frozenset[str]:
+        """The producers that sent Done (and every sample before it)."""
+        return frozenset(self._done)
+
+    @property
+    def refusals(self) -> int:
+        """Connections refused so far: strangers, and producers that broke the protocol."""
+        return self._refusals.total
+
+    @property
+    def recent_refusals(self) -> tuple[str, ...]:
+        """The last few refusals, oldest first: ``"host:port: why"``."""
+        return tuple(self._refusals.recent)
+
+    @property
+    def stats(self) -> IngestStats:
+        """What was taken in so far."""
+        return IngestStats(
+            samples=self._samples,
+            bytes=self._bytes,
+            duplicates=self._duplicates,
+            put_seconds=self._put_seconds,
+            max_put_seconds=self._max_put_seconds,
+            refusals=self._refusals.total,
+        )
+
+    async def wait_all_done(self) -> None:
+        """Wait until every producer of ``expected_producers`` has sent Done.
+
+        Raises:
+            ConfigurationError: the receiver has no ``expected_producers``.
+            ControlChannelError: the receiver failed (its sink's put raised).
+        """
+        if self._expected is None:
+            msg = "wait_all_done() needs SampleReceiver(expected_producers=...)"
+            raise ConfigurationError(msg)
+        with self._sup.waiting():
+            await self._all_done_or_failed.wait()
+        self._sup.raise_failure()
+
+    # -- life --
+
+    async def __aenter__(self) -> SampleReceiver:
+        if self._address is not None:
+            msg = "a SampleReceiver can be entered only once"
+            raise ControlChannelError(msg)
+        await self._sup.enter()
+        try:
+            self._address = await self._sup.tg.start(self._serve)
+        except OSError as exc:
+            self._sup.leave_body(None)
+            await self._sup.close(None, swallowed=False)
+            msg = f"the sample receiver cannot listen on {self._host}:{self._port}: {exc}"
+            raise ControlChannelError(msg) from exc
+        logger.info("sample receiver listening on %s:%d", *self._address)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        remaining = self._sup.leave_body(exc)
+        self._refusals.flush()
+        return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+
+    def _wake_up(self) -> None:
+        self._all_done_or_failed.set()
+
+    def _check_all_done(self) -> None:
+        if self._expected is not None and self._expected <= self._done:
+            self._all_done_or_failed.set()
+
+    # -- serving --
+
+    async def _serve(self, *, task_status: TaskStatus[tuple[str, int]]) -> None:
+        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        async with listener, anyio.create_task_group() as tg:
+            for one in listener.listeners:
+                if isinstance(one, anyio.abc.SocketListener):
+                    tg.start_soon(self._accept_forever, one)
+            address = listener.extra(SocketAttribute.local_address)
+            task_status.started((str(address[0]), int(address[1])))
+
+    async def _accept_forever(self, listener: anyio.abc.SocketListener) -> None:
+        # As the control root does: accept on the raw socket, and make a stream and a task only
+        # for a connection that could be a producer.  The receiver speaks first, so a peer
+        # whose bytes (or hang-up) are already here is a stranger, closed at once (under TLS
+        # the client speaks first).
+        raw = listener.extra(SocketAttribute.raw_socket)
+        while True:
+            try:
+                await anyio.wait_readable(raw)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+                return
+            while True:
+                try:
+                    sock, address = raw.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:  # e.g. out of file descriptors: keep serving the producers
+                    logger.warning("sample receiver: accepting a connection failed: %s", exc)
+                    await anyio.sleep(0.1)
+                    break
+                if self._tls is None and spoke_first(sock):
+                    self._refusals.refused(address_text(address), "it spoke before the receiver's challenge")
+                    sock.close()
+                    continue
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go at once
+                try:
+                    stream = await anyio.abc.SocketStream.from_socket(sock)
+                except OSError:  # gone meanwhile
+                    sock.close()
+                    continue
+                self._sup.tg.start_soon(self._handle, stream)
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        conn = FramedStream(stream, max_frame_bytes=PREAUTH_FRAME_BYTES)
+        try:
+            try:
+                hello, nonce = await self._authenticate(conn)
+            except _Stranger as exc:
+                self._refusals.refused(conn.peer, str(exc))
+                if exc.reply:
+                    await conn.send_best_effort(Refuse(str(exc)))
+                return
+            try:
+                async with self._claim(hello.producer):
+                    await self._serve_producer(conn, hello, nonce)
+            except _Stranger as exc:
+                self._refusals.refused(conn.peer, str(exc))
+                await conn.send_best_effort(Refuse(str(exc)))
+        finally:
+            await conn.aclose()
+
+    async def _authenticate(self, conn: FramedStream) -> tuple[Hello, str]:
+        """Challenge the peer and check its hello; raises _Stranger if it is none of ours."""
+        nonce = new_nonce()
+        message = None
+        try:
+            with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
+                if self._tls is not None:
+                    conn.stream = await tls.wrap(conn.stream, self._tls, server_side=True)
+                await conn.send(encode_frame(Challenge(PROTOCOL_VERSION, nonce)))
+                message = await conn.receive()
+        except TimeoutError:
+            msg = f"no valid hello within {self._handshake_timeout:g} s"
+            raise _Stranger(msg, reply=True) from None
+        except ControlChannelError as exc:  # FrameError included: garbage gets no reply
+            raise _Stranger(str(exc)) from exc
+        if slot.cancelled_caught:
+            msg = "dropped: the oldest of too many connections handshaking"
+            raise _Stranger(msg, reply=True)
+        if message is None:
+            msg = "closed the connection without a hello"
+            raise _Stranger(msg)
+        if not isinstance(message, Hello):
+            msg = f"sent a {type(message).__name__} message instead of a hello"
+            raise _Stranger(msg)
+        if not proof_matches(producer_proof(self._token, receiver_nonce=nonce, hello=message), message.proof):
+            msg = "the proof of the shared token did not match (wrong token?)"
+            raise _Stranger(msg, reply=True)
+        if message.protocol_version != PROTOCOL_VERSION:
+            msg = (
+                f"producer {message.producer!r} speaks streaming protocol version "
+                f"{message.protocol_version}, the receiver speaks version {PROTOCOL_VERSION}"
+            )
+            raise _Stranger(msg, reply=True)
+        return message, nonce
+
+    @contextlib.asynccontextmanager
+    async def _claim(self, name: str) -> AsyncIterator[None]:
+        """Serve ``name`` on this connection alone: an older one of the same producer is cancelled.
+
+        A producer connects again when it believes its connection is lost; the receiver may
+        not have noticed yet, so the older connection goes (its unacknowledged sample, if a
+        put was under way, is resent on the new one).
+        """
+        while (old := self._active.get(name)) is not None:
+            old.scope.cancel()
+            with anyio.move_on_after(_REPLACE_TIMEOUT):
+                await old.ended.wait()
+            if not old.ended.is_set():
+                msg = f"producer {name!r}: its previous connection did not end within {_REPLACE_TIMEOUT:g} s"
+                raise _Stranger(msg, reply=True)
+        active = self._active[name] = _Active(anyio.CancelScope())
+        try:
+            with active.scope:
+                yield
+        finally:
+            if self._active.get(name) is active:
+                del self._active[name]
+            active.ended.set()
+
+    async def _serve_producer(self, conn: FramedStream, hello: Hello, nonce: str) -> None:
+        name = hello.producer
+        acked = self._acked.get(name, -1)
+        proof = receiver_proof(self._token, receiver_nonce=nonce, hello=hello, acked_seq=acked)
+        conn.decoder.max_frame_bytes = self._max_frame_bytes
+        conn.decoder.producer = name
+        try:
+            with anyio.fail_after(self._idle_timeout):
+                await conn.send(encode_frame(Welcome(acked, proof)))
+        except (TimeoutError, ControlChannelError) as exc:
+            logger.info("producer %r (%s) is gone before its welcome: %s", name, conn.peer, exc)
+            return
+        logger.info("producer %r connected from %s; it resends from seq %d", name, conn.peer, acked + 1)
+        reason = await self._ingest(conn, name)
+        if reason is not None:
+            self._refusals.refused(conn.peer, f"producer {name!r}: {reason}")
+            await conn.send_best_effort(Refuse(reason))
+
+    async def _ingest(self, conn: FramedStream, name: str) -> str | None:
+        """Take samples until the producer leaves; why it broke the protocol, or ``None``."""
+        acks = _Acks(sent=self._acked.get(name, -1))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._ack_soon, conn, name, acks)
+            reason = await self._read_samples(conn, name, acks)
+            tg.cancel_scope.cancel()
+        return reason
+
+    async def _read_samples(self, conn: FramedStream, name: str, acks: _Acks) -> str | None:
+        since_ack = 0
+        done = False
+        while True:
+            try:
+                if conn.has_pending:  # already here: no wait to bound
+                    message = await conn.receive()
+                else:
+                    with anyio.fail_after(self._idle_timeout):
+                        message = await conn.receive()
+            except TimeoutError:
+                logger.info("producer %r (%s) silent for %g s: closed", name, conn.peer, self._idle_timeout)
+                return None
+            except FrameError as exc:
+                return str(exc)
+            except ControlChannelError as exc:
+                level = logging.DEBUG if done else logging.INFO  # after Done, the producer just leaves
+                logger.log(level, "producer %r (%s) is gone: %s", name, conn.peer, exc)
+                return None
+            if message is None:
+                logger.debug("producer %r (%s) closed its connection", name, conn.peer)
+                return None
+            acked = self._acked.get(name, -1)
+            if isinstance(message, SampleFrame):
+                if done:
+                    return f"sample seq {message.seq} after Done"
+                if message.seq > acked + 1:
+                    return f"sample seq {message.seq} leaves a gap: the receiver holds up to {acked}"
+                if message.seq <= acked:
+                    self._duplicates += 1
+                elif await self._put(Sample(name, message.seq, message.tensors), conn.last_frame_bytes):
+                    acks.wake.set()  # acknowledged soon, even if the next put waits long
+                else:
+                    return None
+                since_ack += 1
+                if since_ack >= self._ack_every or not conn.has_pending:  # a batch, or the stream is idle
+                    if not await self._ack(conn, name, acks, force=True):
+                        return None
+                    since_ack = 0
+            elif isinstance(message, Done):
+                if message.last_seq > acked:
+                    return f"Done after seq {message.last_seq}, but the receiver holds up to {acked}"
+                done = True
+                if name not in self._done:
+                    self._done.add(name)
+                    logger.info("producer %r is done (last seq %d)", name, message.last_seq)
+                    self._check_all_done()
+                if not await self._ack(conn, name, acks, done=True):
+                    return None
+                since_ack = 0
+            else:
+                return f"sent a {type(message).__name__} message after the handshake"
+
+    async def _ack_soon(self, conn: FramedStream, name: str, acks: _Acks) -> None:
+        """Acknowledge within :data:`_ACK_DELAY` of a put, when no batch or idle stream did."""
+        while True:
+            await acks.wake.wait()
+            await anyio.sleep(_ACK_DELAY)
+            acks.wake = anyio.Event()
+            if not await self._ack(conn, name, acks):
+                return
+
+    async def _ack(
+        self, conn: FramedStream, name: str, acks: _Acks, *, force: bool = False, done: bool = False
+    ) -> bool:
+        """Send Ack (or Done) with what is in the sink, unless it was said already; ``False`` if gone."""
+        async with acks.lock:
+            upto = self._acked.get(name, -1)
+            if not (force or done) and upto <= acks.sent:
+                return True
+            acks.sent = upto
+            message = Done(upto) if done else Ack(upto)
+            try:
+                with anyio.fail_after(self._idle_timeout):
+                    await conn.send(encode_frame(message))
+            except (TimeoutError, ControlChannelError) as exc:
+                logger.info("producer %r (%s) is gone: %s", name, conn.peer, exc)
+                return False
+            return True
+
+    async def _put(self, sample: Sample, nbytes: int) -> bool:
+        """Put ``sample`` into the sink and count it; ``False`` if the sink failed (the receiver fails)."""
+        started = time.perf_counter()
+        try:
+            await self._sink.put(sample)
+        except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
+            error = ControlChannelError(f"the sink's put failed for sample {sample.key}: {explain(exc)}")
+            error.__cause__ = exc
+            self._sup.fail(error)
+            return False
+        elapsed = time.perf_counter() - started
+        self._acked[sample.producer] = sample.seq
+        self._samples += 1
+        self._bytes += nbytes
+        self._put_seconds += elapsed
+        self._max_put_seconds = max(self._max_put_seconds, elapsed)
+        return True
+
+
+def _check_name(where: str, name: object) -> str:
+    reason = check_producer_name(name)
+    if reason is not None:
+        msg = f"{where}: {reason}"
+        raise ConfigurationError(msg)
+    assert isinstance(name, str)
+    return name

@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypedDict, TypeVar
 
@@ -36,6 +36,7 @@ from lamploop.arguments import check_batch_factory, check_model, check_optimizer
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from lamploop.checkpoint.extras import CheckpointExtra, check_extras
 from lamploop.control.tcp import TcpControlRoot
 from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
@@ -48,7 +49,7 @@ from lamploop.distributed.launch import (
     open_root_control,
     spawn_followers,
 )
-from lamploop.errors import ConfigurationError, PeerLostError, TrainingInterrupted
+from lamploop.errors import CheckpointError, ConfigurationError, PeerLostError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
@@ -134,11 +135,16 @@ def _resume(
     resume: bool,
     schedule: LearningRateSchedule[Any],
     module: torch.nn.Module,
+    extras: Mapping[str, CheckpointExtra],
 ) -> dict[str, Any]:
-    """The drive's keyword arguments that resume from the latest checkpoint (none without one)."""
+    """The drive's keyword arguments that resume from the latest checkpoint (none without one).
+
+    The checkpoint's extras are restored here, before training starts.
+    """
     if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
         return {}
     checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
+    _restore_extras(checkpoint.path, checkpoint.extras, extras)
     checkpoint.rng.restore()
     where = f"epoch {checkpoint.state.loop_state.epoch}"
     if checkpoint.position is not None:
@@ -150,6 +156,28 @@ def _resume(
         "init_position": checkpoint.position,
         "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
     }
+
+
+def _restore_extras(
+    path: Path,
+    saved: Mapping[str, tuple[dict[str, torch.Tensor], Any]],
+    extras: Mapping[str, CheckpointExtra],
+) -> None:
+    """Load every extra's saved state; one the checkpoint lacks is refused (it would start afresh)."""
+    missing = sorted(set(extras) - set(saved))
+    if missing:
+        have = sorted(saved) or "none"
+        msg = (
+            f"{path}: has no state for the checkpoint extras {missing} (it has {have}); resuming would "
+            "start them afresh while the model carries on; pass resume=False or another checkpoint_dir"
+        )
+        raise CheckpointError(msg)
+    for name, extra in extras.items():
+        tensors, meta = saved[name]
+        extra.load_state_dict(tensors, meta)
+    unused = sorted(set(saved) - set(extras))
+    if unused:
+        logger.warning("%s: its checkpoint extras %s are not restored (not given)", path, unused)
 
 
 async def fit_async(
@@ -189,6 +217,7 @@ async def fit_async(
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     early_stopping_patience: int | None = None,
+    checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
 
@@ -244,6 +273,14 @@ async def fit_async(
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).
         early_stopping_patience: stop once this many validations in a row bring no new
             best model (judged as ``model_selection_*`` says); ``None``: never.
+        checkpoint_extras: named state saved with every checkpoint beside the model and
+            restored from it on resume before training starts (rank 0; see
+            :mod:`lamploop.checkpoint.extras`), such as a stream's buffer
+            (:class:`lamploop.streaming.StreamState`).  Checkpoints are then written at
+            epoch ends only: ``checkpoint_every_*`` is refused, and a stop by a signal inside
+            an epoch writes none (the next run resumes from the last epoch's end and does
+            that epoch's work again), because an extra's state at a step boundary would not
+            match the resumed pass, which replays the epoch's first batches.
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from
@@ -260,6 +297,9 @@ async def fit_async(
     check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
     settings = TrainingSettings.from_arguments(locals())
     _check_step_checkpoints(checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds)
+    extras = _check_checkpoint_extras(
+        checkpoint_extras, checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds
+    )
     place = _place(world_size, device)
     if place.env is None and place.nranks > 1 and launch_command is None:
         launch_command = default_launch_command(place.nranks)
@@ -290,8 +330,10 @@ async def fit_async(
             close_all(reporters or ())  # the same script's reporters: a follower reports nothing
         return None
 
-    resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module)
-    save = Checkpointer(checkpoint_dir, keep_last=keep_last) if checkpoint_dir is not None else None
+    resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module, extras)
+    save = None
+    if checkpoint_dir is not None:
+        save = Checkpointer(checkpoint_dir, keep_last=keep_last, extras=extras)
     listeners = list(reporters) if reporters is not None else [LoggingReporter()]
     emit = EventEmitter(listeners)
 
@@ -302,12 +344,23 @@ async def fit_async(
 
     async def save_position(
         data: LoopStateWithModelAndOptimizerData, schedule_state: Any, at: EpochPosition, rngs: Sequence[Any]
-    ) -> None:
+    ) -> bool:
         assert save is not None
+        if extras and at.steps_done > 0:  # a stop inside an epoch (step checkpoints are refused)
+            logger.warning(
+                "stopped inside epoch %d after step %d: no checkpoint written there, since the "
+                "checkpoint extras %s are consistent at epoch ends only; the next run resumes from "
+                "the last epoch's end",
+                at.epoch,
+                at.steps_done,
+                sorted(extras),
+            )
+            return False
         began = time.monotonic()
         await save.save_position(data, schedule_state, at, rngs)
         path = str(save.last_path) if save.last_path is not None else None
         emit(CheckpointWritten(at.epoch, at.steps_done, path, time.monotonic() - began))
+        return True
 
     drive = functools.partial(
         drive_distributed_training,
@@ -339,6 +392,31 @@ def _check_step_checkpoints(directory: object, every_steps: int | None, every_se
     every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
     msg = f"fit: {every} asks for checkpoints inside epochs, but checkpoint_dir is None: say where"
     raise ConfigurationError(msg)
+
+
+def _check_checkpoint_extras(
+    extras: Mapping[str, CheckpointExtra] | None,
+    directory: object,
+    every_steps: int | None,
+    every_seconds: float | None,
+) -> dict[str, CheckpointExtra]:
+    """Extras need a checkpoint directory, and refuse checkpoints inside epochs."""
+    checked = check_extras("fit", extras)
+    if not checked:
+        return checked
+    if directory is None:
+        msg = f"fit: checkpoint_extras {sorted(checked)} go into checkpoints, but checkpoint_dir is None"
+        raise ConfigurationError(msg)
+    if every_steps is not None or every_seconds is not None:
+        every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
+        msg = (
+            f"fit: {every} cannot be combined with checkpoint_extras: an extra's state (a stream "
+            "buffer's) at a step boundary does not match a pass resumed there, which replays the "
+            "epoch's first batches; with checkpoint_extras, checkpoints are written at epoch ends "
+            "(make epochs shorter instead, e.g. buffer_batches(batches_per_epoch=...))"
+        )
+        raise ConfigurationError(msg)
+    return checked
 
 
 async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmitter) -> LoopState:

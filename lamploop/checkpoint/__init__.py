@@ -12,6 +12,8 @@ One directory per checkpoint, named after the epoch the run resumes at::
         best_model.safetensors    the best model's state_dict (no tensors when there is none yet)
         optimizer.safetensors     the tensors of optimizer.state_dict()
         rng.safetensors           the torch (CPU and CUDA), numpy and Python RNG states
+        extra-<name>.safetensors  the tensors of each checkpoint extra, if any (their JSON
+                                  meta is in checkpoint.json; see extras.py)
 
 Nothing is pickled and nothing is read with ``torch.load``: tensors live in
 safetensors files, everything else in JSON.  A checkpoint is written into a
@@ -44,11 +46,13 @@ run, the root rank).
 The package's modules: :mod:`~lamploop.checkpoint.format` (names and the descriptor),
 :mod:`~lamploop.checkpoint.rng`, :mod:`~lamploop.checkpoint.codec` (nested state as JSON
 plus tensors), :mod:`~lamploop.checkpoint.files` (atomic writes, save order, pruning),
+:mod:`~lamploop.checkpoint.extras` (named state beside the model),
 :mod:`~lamploop.checkpoint.save`, :mod:`~lamploop.checkpoint.load` and
 :mod:`~lamploop.checkpoint.checkpointer`.
 """
 
 from lamploop.checkpoint.checkpointer import Checkpointer
+from lamploop.checkpoint.extras import CheckpointExtra, extra_file
 from lamploop.checkpoint.format import (
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
@@ -74,9 +78,11 @@ __all__ = [
     "OPTIMIZER_FILE",
     "RNG_FILE",
     "Checkpoint",
+    "CheckpointExtra",
     "Checkpointer",
     "RngStates",
     "checkpoint_name",
+    "extra_file",
     "latest_checkpoint",
     "load_checkpoint",
     "rank_rng_file",

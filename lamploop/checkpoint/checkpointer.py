@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
+from lamploop.checkpoint.extras import CheckpointExtra, capture_extras, check_extras
 from lamploop.checkpoint.rng import RngStates
 from lamploop.checkpoint.save import _check_keep_last, save_checkpoint
 from lamploop.loop.boundary import EpochPosition
@@ -32,16 +33,26 @@ class Checkpointer:
     Attributes:
         directory: the root directory.
         keep_last: passed to :func:`save_checkpoint`.
+        extras: the checkpoint extras saved with every checkpoint (their states are taken at
+            the call, on the caller's thread; see :mod:`lamploop.checkpoint.extras`).
         last_path: the directory of the last checkpoint saved, ``None`` before the first.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep_last: int | None = 3) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        extras: Mapping[str, CheckpointExtra] | None = None,
+    ) -> None:
         """Save into ``directory``, keeping the last ``keep_last`` checkpoints.
 
         Raises:
-            ConfigurationError: ``keep_last`` is not ``None`` or an int >= 1.
+            ConfigurationError: ``keep_last`` is not ``None`` or an int >= 1, or an extra's
+                name or object is unfit (see :func:`~lamploop.checkpoint.extras.check_extras`).
         """
         _check_keep_last(keep_last, "Checkpointer")
+        self.extras = check_extras("Checkpointer", extras)
         self.directory = pathlib.Path(directory)
         self.keep_last = keep_last
         self.last_path: pathlib.Path | None = None
@@ -58,6 +69,7 @@ class Checkpointer:
             # Captured here, in the caller's thread and at the moment of the call: other tasks
             # may draw random numbers while the worker thread writes.
             rng=RngStates.capture(),
+            extras=capture_extras(self.extras),
         )
         async with self._lock:
             self.last_path = await anyio.to_thread.run_sync(save)
@@ -83,6 +95,7 @@ class Checkpointer:
             rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
             position=position if position.steps_done > 0 else None,
             rank_rngs=tuple(rank_rngs[1:]),
+            extras=capture_extras(self.extras),
         )
         async with self._lock:
             self.last_path = await anyio.to_thread.run_sync(save)

@@ -83,6 +83,9 @@ class _Descriptor:
     # A run with weight averaging (lamploop.averaging): the averaged model and its update count.
     averaged_model_spec: ModelSpec | None = None
     averaged_count: int = 0
+    # Checkpoint extras (lamploop.checkpoint.extras): each one's JSON meta; its tensors are in
+    # extra-<name>.safetensors.  Absent in older checkpoints, and written only when there are any.
+    extras: dict[str, Any] = attrs.Factory(dict)
 
 
 def _to_json(value: Any, level: int = 0) -> str:

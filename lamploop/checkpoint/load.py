@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 
 from lamploop.checkpoint.codec import decode_tree
+from lamploop.checkpoint.extras import ExtraState, extra_file
 from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved_at
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
@@ -61,6 +62,8 @@ class Checkpoint:
         rng: the RNG states at save time; :meth:`RngStates.restore` sets them.
         position: where inside its epoch the checkpoint was taken (``None``: at the start).
         rank_rngs: the RNG states of ranks 1, 2... at that position (empty before format 2).
+        extras: each checkpoint extra's ``(tensors, meta)`` by name (see
+            :mod:`lamploop.checkpoint.extras`); empty when it was saved without any.
     """
 
     path: pathlib.Path
@@ -69,6 +72,7 @@ class Checkpoint:
     rng: RngStates
     position: EpochPosition | None = None
     rank_rngs: tuple[RngStates, ...] = ()
+    extras: Mapping[str, ExtraState] = attrs.field(factory=dict)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
@@ -366,8 +370,13 @@ def _load_directory(
         _rng_from_disk(record, _load_file(directory, descriptor, rank_rng_file(rank)))
         for rank, record in enumerate(descriptor.rank_rngs, start=1)
     )
+    extras = {
+        name: (_load_file(directory, descriptor, extra_file(name)), meta)
+        for name, meta in descriptor.extras.items()
+    }
     return Checkpoint(
         path=directory,
+        extras=extras,
         state=state,
         schedule_state=schedule_state,
         rng=rng,

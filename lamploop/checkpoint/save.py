@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from lamploop.checkpoint.codec import encode_tree
+from lamploop.checkpoint.extras import ExtraState, extra_file
 from lamploop.checkpoint.files import (
     _cpu_tensors,
     _delete,
@@ -68,6 +69,7 @@ def save_checkpoint(
     rng: RngStates | None = None,
     position: EpochPosition | None = None,
     rank_rngs: Sequence[RngStates] = (),
+    extras: Mapping[str, ExtraState] | None = None,
 ) -> pathlib.Path:
     """Save ``state`` as ``<directory>/epoch-NNNNNN`` and point ``<directory>/latest`` at it.
 
@@ -90,6 +92,8 @@ def save_checkpoint(
             (a step boundary; ``None``: at the start of that epoch); names the directory
             ``epoch-NNNNNN-step-SSSSSS``.
         rank_rngs: the RNG states of ranks 1, 2... at that position (rank 0's are ``rng``).
+        extras: named extra states ``(tensors, meta)`` (see :mod:`lamploop.checkpoint.extras`),
+            written to ``extra-<name>.safetensors`` and the descriptor.
 
     Returns:
         The new checkpoint directory.
@@ -119,7 +123,9 @@ def save_checkpoint(
         msg = f"save_checkpoint: position.epoch={position.epoch} but state.loop_state.epoch={epoch}"
         raise ConfigurationError(msg)
     name = checkpoint_name(epoch, position.steps_done if position is not None else None)
-    contents = _Contents.of(state, schedule_state, RngStates.capture() if rng is None else rng, rank_rngs)
+    contents = _Contents.of(
+        state, schedule_state, RngStates.capture() if rng is None else rng, rank_rngs, extras or {}
+    )
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(root)
     temp = root / _temp_name(name)
@@ -149,6 +155,7 @@ class _Contents:
     optimizer_tensors: dict[str, torch.Tensor]
     schedule_json: Any
     rngs: list[tuple[_RngRecord, dict[str, torch.Tensor]]]
+    extras: dict[str, ExtraState]
 
     @classmethod
     def of(
@@ -157,6 +164,7 @@ class _Contents:
         schedule_state: Any,
         rng: RngStates,
         rank_rngs: Sequence[RngStates],
+        extras: Mapping[str, ExtraState],
     ) -> _Contents:
         if not isinstance(state.optimizer, Mapping):
             msg = (
@@ -183,6 +191,10 @@ class _Contents:
             optimizer_tensors=_cpu_tensors(raw_optimizer_tensors, "optimizer state"),
             schedule_json=schedule_json,
             rngs=[_rng_to_disk(r) for r in (rng, *rank_rngs)],
+            extras={
+                name: (_cpu_tensors(tensors, f"checkpoint extra {name!r}"), meta)
+                for name, (tensors, meta) in extras.items()
+            },
         )
 
     def write(
@@ -210,6 +222,9 @@ class _Contents:
         for rank, (_, tensors) in enumerate(self.rngs):
             file = RNG_FILE if rank == 0 else rank_rng_file(rank)
             files[file] = _write_tensors(directory / file, tensors, f"rank {rank}'s RNG states")
+        for name, (tensors, _) in self.extras.items():
+            file = extra_file(name)
+            files[file] = _write_tensors(directory / file, tensors, f"checkpoint extra {name!r}")
         descriptor = _Descriptor(
             format_version=FORMAT_VERSION,
             lamploop_version=_lamploop_version(),
@@ -228,9 +243,13 @@ class _Contents:
             sequence=sequence,
             averaged_model_spec=model_spec(self.averaged_model) if self.averaged_model else None,
             averaged_count=state.averaged_count,
+            extras={name: meta for name, (_, meta) in self.extras.items()},
         )
         with open(directory / DESCRIPTOR_NAME, "w", encoding="utf-8") as f:
-            f.write(_to_json(converter.unstructure(descriptor)) + "\n")
+            raw = converter.unstructure(descriptor)
+            if not raw["extras"]:  # without extras, exactly what lamploop wrote before them
+                del raw["extras"]
+            f.write(_to_json(raw) + "\n")
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(directory)

@@ -103,10 +103,11 @@ def check_place(nranks: int, device: torch.device | str, where: str) -> torch.de
 
 
 CheckpointPosition = Callable[
-    [LoopStateWithModelAndOptimizerData, Any, EpochPosition, Sequence[RngStates]], Awaitable[None]
+    [LoopStateWithModelAndOptimizerData, Any, EpochPosition, Sequence[RngStates]], Awaitable[bool | None]
 ]
 """Writes a step-boundary checkpoint: the state (its loop state at the epoch in progress), the
-schedule state that epoch was asked with, the position in it, and every rank's RNG states."""
+schedule state that epoch was asked with, the position in it, and every rank's RNG states.
+Returns ``False`` when it chose to write none there (``fit`` with checkpoint extras, inside an epoch)."""
 
 
 class _RootEpochs:
@@ -129,6 +130,7 @@ class _RootEpochs:
         self.state = init_state.loop_state if init_state is not None else LoopState()
         self.schedule_state = schedule_state  # what the epoch in progress was asked with
         self.next_epoch = self.state.epoch
+        self.position_saved = True  # whether the last step-boundary save wrote a checkpoint
         self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
         if replica.average is not None and init_state is not None and init_state.averaged_count:
@@ -149,7 +151,9 @@ class _RootEpochs:
 
     async def save_position(self, position: EpochPosition, rngs: Sequence[RngStates]) -> None:
         if self.checkpoint_position is not None:
-            await self.checkpoint_position(self._data(self.state), self.schedule_state, position, rngs)
+            data = self._data(self.state)
+            written = await self.checkpoint_position(data, self.schedule_state, position, rngs)
+            self.position_saved = written is not False
 
     async def epochs(self, settings: TrainingSettings, validates: bool) -> LoopState:
         """Run :func:`lamploop.epochs` from where this root starts, with these effects."""
@@ -191,7 +195,13 @@ class _RootEpochs:
         except EpochStopped as stopped:
             reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else "a request"
             steps = stopped.progress.steps_done
-            saved = "; a checkpoint was written there" if self.checkpoint_position is not None else ""
+            saved = ""
+            if self.checkpoint_position is not None:
+                saved = (
+                    "; a checkpoint was written there"
+                    if self.position_saved
+                    else "; no checkpoint was written there: the next run resumes from the last epoch's end"
+                )
             msg = f"stopped by {reason} at epoch {self.next_epoch} after step {steps}{saved}"
             raise TrainingInterrupted(msg, epoch=self.next_epoch, steps_done=steps, reason=reason) from None
 

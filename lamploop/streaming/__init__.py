@@ -3,7 +3,9 @@
 Samples (:class:`~lamploop.streaming.sample.Sample`) arrive from producers, wait in a
 buffer (:mod:`lamploop.streaming.buffers`: FIFO, FIRO, reservoir), and batches are drawn
 from the buffer while more arrive (:func:`~lamploop.streaming.batches.buffer_batches`); a
-run ends with its stream (:func:`~lamploop.streaming.schedule.until_stream_ends`).
+run ends with its stream (:func:`~lamploop.streaming.schedule.until_stream_ends`); and
+:class:`~lamploop.streaming.state.StreamState` checkpoints the buffer so that a resumed run
+loses nothing.
 """
 
 from lamploop.streaming.batches import buffer_batches, stack_samples, stream_ended
@@ -18,8 +20,10 @@ from lamploop.streaming.buffers import (
 )
 from lamploop.streaming.sample import Sample, SampleSink
 from lamploop.streaming.schedule import until_stream_ends
+from lamploop.streaming.state import STREAM_EXTRA, StreamState
 
 __all__ = [
+    "STREAM_EXTRA",
     "BufferClosedError",
     "DuplicateSampleError",
     "FifoBuffer",
@@ -29,6 +33,7 @@ __all__ = [
     "SampleSink",
     "StreamBuffer",
     "StreamEnded",
+    "StreamState",
     "buffer_batches",
     "stack_samples",
     "stream_ended",

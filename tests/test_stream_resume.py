@@ -1,0 +1,143 @@
+"""A streamed run survives a SIGKILL of its trainer (issue 10, "nothing lost").
+
+Real processes: a trainer (tests/workers/stream_trainer.py: a receiver, a buffer, fit with
+the buffer as a checkpoint extra) and two producers (tests/workers/stream_producer.py,
+BlockingProducer).  The trainer is SIGKILLed after a few checkpoints and started again: it
+restores the stream from the latest checkpoint, reopens its receiver on the same port,
+the producers reconnect and resend what the restored buffer does not hold, and the run
+ends with the stream.  Every trainer process logs each read with its epoch; the reads
+that count are the first process's in the epochs before the checkpoint the second
+resumed from, and the second's from there on.  Each sample must be read exactly
+``max_reads`` times in all.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lamploop.checkpoint import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+SAMPLES = 40
+NAMES = ("sim-a", "sim-b")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _env(token: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "LAMPLOOP_STREAM_TOKEN": token}
+
+
+def _epoch_of_latest(directory: Path) -> int:
+    latest = latest_checkpoint(directory) if directory.exists() else None
+    if latest is None:
+        return -1
+    return int(latest.name.split("-")[1])
+
+
+def _wait(process: subprocess.Popen[str], seconds: float, what: str) -> str:
+    try:
+        out, _ = process.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+        pytest.fail(f"{what} did not end within {seconds} s; its output:\n{out}")
+    assert process.returncode == 0, f"{what} failed ({process.returncode}):\n{out}"
+    return out
+
+
+def _reads(log: Path) -> list[tuple[int, str, int]]:
+    rows = []
+    for line in log.read_text(encoding="utf-8").splitlines():
+        parts = line.split()
+        if len(parts) != 3:
+            continue  # the last line, half-written when the trainer was killed (its epoch is replayed)
+        epoch, producer, seq = parts
+        rows.append((int(epoch), producer, int(seq)))
+    return rows
+
+
+def _read_in(log: Path, epoch: int) -> bool:
+    return log.exists() and any(e == epoch for e, _, _ in _reads(log))
+
+
+def _start(args: list[str], token: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        env=_env(token),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("policy", "max_reads"), [("fifo", 1), ("firo", 2)])
+def test_a_sigkilled_trainer_resumes_and_every_sample_is_read_max_reads_times(
+    tmp_path: Path, policy: str, max_reads: int
+) -> None:
+    token = secrets.token_hex(16)
+    port = _free_port()
+    checkpoints = tmp_path / "checkpoints"
+
+    def trainer(log: Path) -> subprocess.Popen[str]:
+        args = [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), policy]
+        return _start([*args, *NAMES], token)
+
+    first_log, second_log = tmp_path / "reads-1.log", tmp_path / "reads-2.log"
+    first = trainer(first_log)
+    producers = [
+        _start([str(WORKERS / "stream_producer.py"), str(port), name, str(SAMPLES)], token) for name in NAMES
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        # Killed inside an epoch after the third: reads since the checkpoint are then replayed.
+        while (latest := _epoch_of_latest(checkpoints)) < 3 or not _read_in(first_log, latest):
+            assert first.poll() is None, f"the trainer ended before it was killed:\n{first.communicate()[0]}"
+            assert time.monotonic() < deadline, "no read after a checkpoint of epoch 3 within 60 s"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=10)
+        resumed_at = _epoch_of_latest(checkpoints)
+        assert all(p.poll() is None for p in producers), "a producer ended before the kill: nothing resent"
+
+        second = trainer(second_log)
+        out = _wait(second, 60, "the resumed trainer")
+        for producer, name in zip(producers, NAMES, strict=True):
+            _wait(producer, 30, f"producer {name}")
+    finally:
+        for process in (first, *producers):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    assert "finished at epoch" in out
+
+    before, after = _reads(first_log), _reads(second_log)
+    assert after, "the resumed trainer read nothing"
+    assert min(epoch for epoch, _, _ in after) == resumed_at, "the resumed trainer did not start there"
+    kept = [(p, s) for epoch, p, s in before if epoch < resumed_at] + [(p, s) for _, p, s in after]
+    counts = Counter(kept)
+    expected = {(name, seq) for name in NAMES for seq in range(SAMPLES)}
+    missing = sorted(expected - set(counts))
+    strangers = sorted(set(counts) - expected)
+    wrong = {key: n for key, n in counts.items() if n != max_reads}
+    assert not missing, f"never read: {missing}"
+    assert not strangers, f"read but never produced: {strangers}"
+    assert not wrong, f"read other than {max_reads} times: {wrong}"

@@ -141,3 +141,42 @@ def test_a_sigkilled_trainer_resumes_and_every_sample_is_read_max_reads_times(
     assert not missing, f"never read: {missing}"
     assert not strangers, f"read but never produced: {strangers}"
     assert not wrong, f"read other than {max_reads} times: {wrong}"
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_producer_restarts_from_zero_and_nothing_is_read_twice(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    port = _free_port()
+    checkpoints, log = tmp_path / "checkpoints", tmp_path / "reads.log"
+    trainer = _start(
+        [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), "firo", *NAMES], token
+    )
+
+    def producer(name: str) -> subprocess.Popen[str]:
+        return _start([str(WORKERS / "stream_producer.py"), str(port), name, str(SAMPLES)], token)
+
+    producers = {name: producer(name) for name in NAMES}
+    restarted: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while _epoch_of_latest(checkpoints) < 2:
+            assert trainer.poll() is None, f"the trainer ended early:\n{trainer.communicate()[0]}"
+            assert time.monotonic() < deadline, "no checkpoint of epoch 2 within 60 s"
+            time.sleep(0.01)
+        killed = producers[NAMES[0]]
+        assert killed.poll() is None, "the producer ended before the kill: nothing resent"
+        killed.send_signal(signal.SIGKILL)
+        killed.communicate(timeout=10)
+        restarted = producer(NAMES[0])  # the same samples again from seq 0: those held are skipped
+        out = _wait(trainer, 60, "the trainer")
+        _wait(restarted, 30, "the restarted producer")
+        _wait(producers[NAMES[1]], 30, "the other producer")
+    finally:
+        for process in (trainer, *producers.values(), *([restarted] if restarted else [])):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    assert "finished at epoch" in out
+    counts = Counter((p, s) for _, p, s in _reads(log))
+    assert set(counts) == {(name, seq) for name in NAMES for seq in range(SAMPLES)}
+    assert {key: n for key, n in counts.items() if n != 2} == {}

@@ -13,6 +13,9 @@ A run on the root rank produces, in order::
         CheckpointWritten (the end-of-epoch checkpoint, with a checkpoint directory)
     RunFinished | RunStopped | RunFailed (PeerLost first, when a rank was lost)
 
+A streamed run (:mod:`lamploop.streaming`) also reports ``IngestionSampled`` every second or
+so, from :func:`lamploop.streaming.ingestion.report_ingestion`.
+
 Every event carries ``time``: ``time.time()`` when it was made (wall clock, for logs and
 dashboards).  Rates and durations inside events come from a monotonic clock.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "EpochFinished",
     "EpochStarted",
     "Event",
+    "IngestionSampled",
     "PeerJoined",
     "PeerLost",
     "ProgressSampled",
@@ -172,6 +176,39 @@ class CheckpointWritten:
 
 
 @attrs.frozen
+class IngestionSampled:
+    """A streamed run's intake since the previous sample (one rank's receiver and buffer).
+
+    Attributes:
+        rank: whose receiver and buffer.
+        samples: samples put into the buffer in all; ``samples_per_second`` and
+            ``bytes_per_second`` since the previous sample.
+        put_seconds_mean: the mean time a put waited since the previous sample (a full
+            buffer's back-pressure).
+        fill, capacity: the samples the buffer holds now, and the most it holds.
+        reads: reads from the buffer in all; ``evicted``: samples a reservoir evicted.
+        duplicates, refusals: resent samples dropped, and connections refused, in all.
+        seen_histogram: how many resident samples have been read how many times.
+        closed: whether every producer is done.
+    """
+
+    rank: int
+    samples: int
+    samples_per_second: float
+    bytes_per_second: float
+    put_seconds_mean: float
+    fill: int
+    capacity: int
+    reads: int
+    evicted: int
+    duplicates: int
+    refusals: int
+    seen_histogram: Mapping[int, int] = attrs.field(factory=dict, hash=False)
+    closed: bool = False
+    time: float = attrs.field(factory=_now, kw_only=True)
+
+
+@attrs.frozen
 class RunFinished:
     """The run ended normally with ``state``."""
 
@@ -205,6 +242,7 @@ Event: TypeAlias = (
     | ValidationFinished
     | EpochFinished
     | CheckpointWritten
+    | IngestionSampled
     | RunFinished
     | RunStopped
     | RunFailed

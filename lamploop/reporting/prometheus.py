@@ -27,6 +27,7 @@ from lamploop.reporting.events import (
     EpochFinished,
     EpochStarted,
     Event,
+    IngestionSampled,
     PeerJoined,
     PeerLost,
     ProgressSampled,
@@ -77,6 +78,12 @@ class PrometheusReporter:
     last checkpoint, else since ``RunStarted``, else since the reporter was made);
     ``lamploop_run_state`` (see :data:`RUN_STATES`: 0 running, 1 finished, 2 stopped,
     3 failed).
+
+    A streamed run's ``IngestionSampled``, labelled by ``rank``: ``lamploop_ingest_samples``,
+    ``lamploop_ingest_samples_per_second``, ``lamploop_ingest_bytes_per_second``,
+    ``lamploop_ingest_put_seconds`` (the mean wait of a put), ``lamploop_buffer_fill``,
+    ``lamploop_buffer_capacity``, ``lamploop_buffer_reads`` and ``lamploop_buffer_seen``
+    (resident samples by their ``reads`` count).
 
     Raises:
         MissingDependencyError: prometheus_client is not installed.
@@ -134,6 +141,19 @@ class PrometheusReporter:
             "seconds_since_checkpoint", "Seconds since the last checkpoint (or since the run started)."
         )
         self.run_state = gauge("run_state", "0 running, 1 finished, 2 stopped, 3 failed.")
+        rank = ("rank",)
+        self.ingest_samples = gauge("ingest_samples", "Streamed samples received in all.", rank)
+        self.ingest_samples_per_second = gauge(
+            "ingest_samples_per_second", "Streamed samples per second.", rank
+        )
+        self.ingest_bytes_per_second = gauge("ingest_bytes_per_second", "Streamed bytes per second.", rank)
+        self.ingest_put_seconds = gauge("ingest_put_seconds", "Mean wait of a put into the buffer.", rank)
+        self.buffer_fill = gauge("buffer_fill", "Samples the stream buffer holds.", rank)
+        self.buffer_capacity = gauge("buffer_capacity", "The most samples the stream buffer holds.", rank)
+        self.buffer_reads = gauge("buffer_reads", "Reads from the stream buffer in all.", rank)
+        self.buffer_seen = gauge(
+            "buffer_seen", "Resident samples by how many times they were read.", (*rank, "reads")
+        )
 
         self._port = port
         self._server: WSGIServer | None = None
@@ -233,6 +253,20 @@ class PrometheusReporter:
             self.run_state.set(RUN_STATES["stopped"])
         elif isinstance(event, RunFailed):
             self.run_state.set(RUN_STATES["failed"])
+        elif isinstance(event, IngestionSampled):
+            self._ingested(event)
+
+    def _ingested(self, event: IngestionSampled) -> None:
+        rank = str(event.rank)
+        self.ingest_samples.labels(rank=rank).set(event.samples)
+        self.ingest_samples_per_second.labels(rank=rank).set(event.samples_per_second)
+        self.ingest_bytes_per_second.labels(rank=rank).set(event.bytes_per_second)
+        self.ingest_put_seconds.labels(rank=rank).set(event.put_seconds_mean)
+        self.buffer_fill.labels(rank=rank).set(event.fill)
+        self.buffer_capacity.labels(rank=rank).set(event.capacity)
+        self.buffer_reads.labels(rank=rank).set(event.reads)
+        for reads, count in event.seen_histogram.items():
+            self.buffer_seen.labels(rank=rank, reads=str(reads)).set(count)
 
     def _epoch_finished(self, event: EpochFinished) -> None:
         entry = event.state.learning_curve[-1]

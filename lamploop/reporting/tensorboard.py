@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lamploop.errors import ConfigurationError, MissingDependencyError
-from lamploop.reporting.events import CheckpointWritten, EpochFinished, Event, ProgressSampled
+from lamploop.reporting.events import (
+    CheckpointWritten,
+    EpochFinished,
+    Event,
+    IngestionSampled,
+    ProgressSampled,
+)
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -46,7 +52,13 @@ class TensorBoardReporter:
     writer flushes.
 
     ``CheckpointWritten``: ``checkpoint/seconds`` at the latest sample's ``total_steps``
-    (0 before any).  Other events write nothing.
+    (0 before any).
+
+    ``IngestionSampled`` (a streamed run), at step ``samples`` (received so far):
+    ``ingest/samples_per_second``, ``ingest/bytes_per_second``, ``ingest/put_seconds`` (the
+    mean wait of a put), ``ingest/buffer_fill`` (the fraction of the capacity held) and
+    ``ingest/reads``; under ``ingest/rank<r>/`` for ranks other than 0.  Other events write
+    nothing.
 
     Raises:
         MissingDependencyError: tensorboard is not installed.
@@ -109,6 +121,14 @@ class TensorBoardReporter:
             writer.flush()
         elif isinstance(event, CheckpointWritten):
             self._get_writer().add_scalar("checkpoint/seconds", event.seconds, self._global_step, event.time)
+        elif isinstance(event, IngestionSampled):
+            add, step = self._get_writer().add_scalar, event.samples  # x: samples received so far
+            prefix = f"ingest/rank{event.rank}" if event.rank else "ingest"
+            add(f"{prefix}/samples_per_second", event.samples_per_second, step, event.time)
+            add(f"{prefix}/bytes_per_second", event.bytes_per_second, step, event.time)
+            add(f"{prefix}/put_seconds", event.put_seconds_mean, step, event.time)
+            add(f"{prefix}/buffer_fill", event.fill / event.capacity, step, event.time)
+            add(f"{prefix}/reads", event.reads, step, event.time)
 
     def close(self) -> None:
         """Flush and close the event file (calling it again does nothing)."""

@@ -33,6 +33,7 @@ from typing import Final
 
 import attrs
 
+from lamploop.checkpoint.extras import extra_file
 from lamploop.checkpoint.files import _checkpoint_dirs, _saved_at
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
@@ -217,6 +218,7 @@ def _required_files(descriptor: _Descriptor) -> list[str]:
     names += [rank_rng_file(rank) for rank in range(1, len(descriptor.rank_rngs) + 1)]
     if descriptor.averaged_model_spec is not None:
         names.append(AVERAGED_MODEL_FILE)
+    names += [extra_file(name) for name in descriptor.extras]
     return names
 
 

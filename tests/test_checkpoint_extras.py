@@ -239,3 +239,14 @@ def test_stream_state_restores_the_buffer_and_returns_its_acknowledged_positions
             StreamState(late).load_state_dict(tensors, meta)
 
     anyio.run(main)
+
+
+def test_inspect_checks_the_extras_files(tmp_path: Path) -> None:
+    from lamploop.inspection import inspect_checkpoint
+
+    path = save_checkpoint(tmp_path, _state(), extras={"counter": Counter().state_dict()})
+    report = inspect_checkpoint(path)
+    assert any(f.name == extra_file("counter") and f.ok for f in report.files)
+    (path / extra_file("counter")).unlink()
+    report = inspect_checkpoint(path)
+    assert any(f.name == extra_file("counter") and not f.ok for f in report.files)

@@ -400,6 +400,27 @@ async def test_a_restarted_receiver_gets_exactly_what_its_restored_state_lacks(
     assert stats.sent == 30
 
 
+async def test_a_restarted_producer_keeping_acknowledged_samples_skips_what_the_receiver_holds() -> None:
+    """A producer restarted from seq 0 with keep_acknowledged: samples queued before the Welcome
+    said the receiver holds up to 5, then 2..5 skipped, then 6.. sent (the kept seqs stay contiguous)."""
+    sink = ListSink()
+    stop = anyio.Event()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            receiver = SampleReceiver(sink, token=TOKEN, acknowledged={"sim": 5}, expected_producers=["sim"])
+            await tg.start(run_receiver, receiver, stop)
+            async with AsyncProducer(
+                receiver.address, name="sim", token=TOKEN, resend_window=2, keep_acknowledged=20
+            ) as producer:
+                for seq in range(10):  # 0 and 1 are queued before the connection is made
+                    await producer.send(tensors_for(seq))
+                await producer.done()
+            await receiver.wait_all_done()
+            stop.set()
+    assert sink.seqs("sim") == list(range(6, 10))
+    assert producer.stats.skipped == 6
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

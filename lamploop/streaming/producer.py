@@ -275,6 +275,12 @@ class AsyncProducer:
         """Number the sample and keep its frame for the writer (or skip it if the receiver holds it)."""
         seq = self._next_seq
         if seq <= self._acked:  # the receiver holds it already (a restarted producer)
+            if self._keep_acknowledged:
+                # Kept like any acknowledged sample, so that the kept seqs stay contiguous (the
+                # writer finds a seq at its offset from the first) and a receiver restored from
+                # an older state can get it again.
+                self._frames.append((seq, frame_for(seq)))
+                self._trim()
             self._next_seq += 1
             self._skipped += 1
             return seq

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 __all__ = [
     "BatchError",
+    "BufferClosedError",
     "CheckpointError",
     "ConfigurationError",
     "ControlChannelError",
     "DistributedError",
+    "DuplicateSampleError",
     "FrameError",
     "HandshakeError",
     "LamploopError",
     "MissingDependencyError",
     "NonFiniteLossError",
     "PeerLostError",
+    "StreamEnded",
+    "StreamingError",
     "TrainingInterrupted",
 ]
 
@@ -84,7 +88,28 @@ class DistributedError(LamploopError):
 
 
 class ControlChannelError(LamploopError):
-    """The control channel failed: transport errors are wrapped in this."""
+    """One of lamploop's authenticated TCP channels failed: transport errors are wrapped in this.
+
+    The control channel raises it and its subclasses below; the streaming transport raises
+    :class:`StreamingError` (a subclass), and shares :class:`FrameError` and
+    :class:`HandshakeError` with the control channel.
+    """
+
+
+class StreamingError(ControlChannelError):
+    """The streaming transport failed: a producer could not deliver, or a receiver's sink failed."""
+
+
+class StreamEnded(LamploopError):
+    """A stream buffer is closed and nothing readable is left: the stream of samples is over."""
+
+
+class BufferClosedError(LamploopError):
+    """A sample was put into a stream buffer after it was closed."""
+
+
+class DuplicateSampleError(LamploopError, ValueError):
+    """A sample's ``seq`` is not after the last one put from its producer (a resend or out of order)."""
 
 
 class FrameError(ControlChannelError):

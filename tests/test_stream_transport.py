@@ -30,7 +30,13 @@ import trustme
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from lamploop.control.wire import new_nonce, token_proof
-from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, HandshakeError
+from lamploop.errors import (
+    ConfigurationError,
+    ControlChannelError,
+    FrameError,
+    HandshakeError,
+    StreamingError,
+)
 from lamploop.streaming.producer import AsyncProducer, BlockingProducer
 from lamploop.streaming.receiver import SampleReceiver
 from lamploop.streaming.sample import Sample
@@ -447,9 +453,7 @@ async def test_a_receiver_restored_older_than_what_the_producer_kept_fails_the_p
                     await producer.send(tensors_for(10))
                     await producer.done()
 
-            with pytest.raises(
-                ControlChannelError, match=r"holds seqs up to 4 only.*no longer has 5..9"
-            ) as info:
+            with pytest.raises(StreamingError, match=r"holds seqs up to 4 only.*no longer has 5..9") as info:
                 await produce()
             stop_b.set()
     assert "keep_acknowledged=" in str(info.value)
@@ -728,7 +732,7 @@ async def test_a_failing_sink_fails_the_receiver_with_its_error() -> None:
 
     with (
         anyio.fail_after(20),
-        pytest.raises(ControlChannelError, match=r"sink's put failed for sample \('sim', 0\)"),
+        pytest.raises(StreamingError, match=r"sink's put failed for sample \('sim', 0\)"),
     ):
         await receive()
 

@@ -79,7 +79,13 @@ import attrs
 import numpy as np
 import torch
 
-from lamploop.errors import CheckpointError, ConfigurationError, LamploopError
+from lamploop.errors import (
+    BufferClosedError,
+    CheckpointError,
+    ConfigurationError,
+    DuplicateSampleError,
+    StreamEnded,
+)
 from lamploop.streaming.sample import Sample
 
 __all__ = [
@@ -100,18 +106,6 @@ OnRead = Callable[[tuple[str, int], int], None]
 
 OnEvict = Callable[[tuple[str, int], int], None]
 """``on_evict(key, seen)``: a reservoir evicted a sample that had been read ``seen`` times."""
-
-
-class StreamEnded(LamploopError):
-    """The buffer is closed and nothing readable is left: the stream of samples is over."""
-
-
-class BufferClosedError(LamploopError):
-    """A sample was put into a buffer after :meth:`StreamBuffer.close`."""
-
-
-class DuplicateSampleError(LamploopError, ValueError):
-    """A sample's ``seq`` is not after the last one put from its producer (a resend or out of order)."""
 
 
 @attrs.frozen
@@ -630,7 +624,7 @@ class FifoBuffer(StreamBuffer):
     >>> buffer.try_get()
     Traceback (most recent call last):
     ...
-    lamploop.streaming.buffers.StreamEnded: FifoBuffer: closed and drained, the stream is over
+    lamploop.errors.StreamEnded: FifoBuffer: closed and drained, the stream is over
     """
 
     policy: ClassVar[str] = "fifo"

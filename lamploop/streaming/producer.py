@@ -42,7 +42,7 @@ from lamploop.control import _tls as tls
 from lamploop.control._settings import check_int, check_seconds
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
-from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError
+from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError, StreamingError
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_SEQ,
@@ -239,7 +239,7 @@ class AsyncProducer:
         Raises:
             TypeError, ValueError: ``tensors`` is not a non-empty mapping of str to tensors.
             FrameError: the sample's frame would be over ``max_frame_bytes``.
-            ControlChannelError: the producer failed (see the class), is done, or is not entered.
+            StreamingError: the producer failed (see the class), is done, or is not entered.
         """
         return await self._send_payload(encode_tensors(tensors))
 
@@ -294,7 +294,7 @@ class AsyncProducer:
         """Send Done once every sample is sent, and wait until the receiver acknowledged them all.
 
         Raises:
-            ControlChannelError: the producer failed (see the class) or is not entered.
+            StreamingError: the producer failed (see the class) or is not entered.
         """
         self._check_open("done()", after_done=True)
         self._done_requested = True
@@ -308,10 +308,10 @@ class AsyncProducer:
         self._sup.raise_failure()
         if not self._entered or self._closed:
             msg = f"producer {self.name!r}: {what} outside `async with`"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         if self._done_requested and not after_done:
             msg = f"producer {self.name!r}: {what} after done()"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
 
     def _wake_up(self) -> None:
         self._changed.notify()
@@ -321,7 +321,7 @@ class AsyncProducer:
     async def __aenter__(self) -> AsyncProducer:
         if self._entered:
             msg = f"producer {self.name!r} can be entered only once"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         self._entered = True
         await self._sup.enter()
         self._sup.tg.start_soon(self._run)
@@ -395,7 +395,7 @@ class AsyncProducer:
                     f"producer {self.name!r} could not reach {self._receiver} for "
                     f"{self._reconnect_timeout:g} s ({attempts} attempts; last error: {error})"
                 )
-                raise ControlChannelError(msg)
+                raise StreamingError(msg)
             logger.debug("producer %r: %s; retrying in %g s", self.name, error, delay)
             await anyio.sleep(min(delay, self._reconnect_timeout - (now - failing_since)))
             delay = min(delay * 2, _MAX_BACKOFF)
@@ -469,7 +469,7 @@ class AsyncProducer:
                 "receiver was restored from an older state than it acknowledged; keep_acknowledged= "
                 "keeps that many acknowledged samples for such a resend"
             )
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         if self._frames:  # kept but never sent, and held by the receiver already: skipped too
             first, last = self._frames[0][0], self._frames[-1][0]
             self._skipped += max(min(acked, last) - max(self._highest_sent + 1, first) + 1, 0)
@@ -575,7 +575,7 @@ class AsyncProducer:
                 raise _Retry(f"{self._receiver} closed the connection")
             if isinstance(message, Refuse):
                 msg = f"producer {self.name!r} refused by {self._receiver}: {message.reason}"
-                raise ControlChannelError(msg)
+                raise StreamingError(msg)
             if isinstance(message, Done) and session.done_sent and message.last_seq >= self._next_seq - 1:
                 self._acked = max(self._acked, message.last_seq)
                 self._trim()
@@ -641,7 +641,7 @@ class BlockingProducer:
     def __enter__(self) -> BlockingProducer:
         if self._portal_cm is not None:
             msg = f"producer {self.name!r} can be entered only once"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         portal = self._portal = self._portal_cm.__enter__()
         try:
@@ -691,7 +691,7 @@ class BlockingProducer:
     def _portal_or_fail(self, what: str) -> anyio.from_thread.BlockingPortal:
         if self._portal is None:
             msg = f"producer {self.name!r}: {what} outside `with`"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         return self._portal
 
     def _settle(self, ahead: int) -> None:
@@ -712,7 +712,7 @@ class BlockingProducer:
         def frame_for(actual: int) -> bytes:
             if actual != seq:  # only after an earlier send failed
                 msg = f"producer {self.name!r}: sample {seq} would go out as {actual}"
-                raise ControlChannelError(msg)
+                raise StreamingError(msg)
             return frame
 
         self._handed.append(portal.start_task_soon(self._producer._submit, frame_for))

@@ -43,7 +43,7 @@ from lamploop.control._settings import check_int, check_seconds
 from lamploop.control._strangers import PendingHandshakes, spoke_first
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
-from lamploop.errors import ConfigurationError, ControlChannelError, FrameError
+from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
 from lamploop.streaming.sample import Sample, SampleSink
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -245,7 +245,7 @@ class SampleReceiver:
         """The ``(host, port)`` the receiver listens on (the real port when ``port=0``)."""
         if self._address is None:
             msg = "the receiver is not listening yet: use `async with SampleReceiver(...) as receiver`"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         return self._address
 
     @property
@@ -285,7 +285,7 @@ class SampleReceiver:
 
         Raises:
             ConfigurationError: the receiver has no ``expected_producers``.
-            ControlChannelError: the receiver failed (its sink's put raised).
+            StreamingError: the receiver failed (its sink's put raised).
         """
         if self._expected is None:
             msg = "wait_all_done() needs SampleReceiver(expected_producers=...)"
@@ -299,7 +299,7 @@ class SampleReceiver:
     async def __aenter__(self) -> SampleReceiver:
         if self._address is not None:
             msg = "a SampleReceiver can be entered only once"
-            raise ControlChannelError(msg)
+            raise StreamingError(msg)
         await self._sup.enter()
         try:
             self._address = await self._sup.tg.start(self._serve)
@@ -307,7 +307,7 @@ class SampleReceiver:
             self._sup.leave_body(None)
             await self._sup.close(None, swallowed=False)
             msg = f"the sample receiver cannot listen on {self._host}:{self._port}: {exc}"
-            raise ControlChannelError(msg) from exc
+            raise StreamingError(msg) from exc
         logger.info("sample receiver listening on %s:%d", *self._address)
         return self
 
@@ -559,7 +559,7 @@ class SampleReceiver:
         try:
             await self._sink.put(sample)
         except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
-            error = ControlChannelError(f"the sink's put failed for sample {sample.key}: {explain(exc)}")
+            error = StreamingError(f"the sink's put failed for sample {sample.key}: {explain(exc)}")
             error.__cause__ = exc
             self._sup.fail(error)
             return False

@@ -55,7 +55,7 @@ import torch
 
 from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
-from lamploop.errors import ConfigurationError, ControlChannelError, FrameError
+from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -537,7 +537,7 @@ class FramedStream:
             await self.stream.send(data)
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             msg = f"sending to {self.peer} failed: {explain(exc)}"
-            raise ControlChannelError(msg) from exc
+            raise StreamingError(msg) from exc
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream; raises ControlChannelError / FrameError."""
@@ -550,11 +550,11 @@ class FramedStream:
                 self._ended = True
                 if self.decoder.buffered:
                     msg = f"{self.peer} closed the connection in the middle of a frame"
-                    raise ControlChannelError(msg) from None
+                    raise StreamingError(msg) from None
                 return None
             except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
                 msg = f"receiving from {self.peer} failed: {explain(exc)}"
-                raise ControlChannelError(msg) from exc
+                raise StreamingError(msg) from exc
             self._pending.extend(self.decoder.feed(data))
         message, self.last_frame_bytes = self._pending.popleft()
         return message

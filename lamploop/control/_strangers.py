@@ -67,9 +67,15 @@ class PendingHandshakes:
 
 
 class RefusalLog:
-    """Logs refused strangers, at most ``burst`` lines per ``window`` seconds; remembers the last few."""
+    """Logs refused strangers, at most ``burst`` lines per ``window`` seconds; remembers the last few.
 
-    def __init__(self, *, burst: int = 10, window: float = 10.0, remember: int = 16) -> None:
+    ``who`` names the refusing side in the log lines (the control root, a sample receiver).
+    """
+
+    def __init__(
+        self, *, burst: int = 10, window: float = 10.0, remember: int = 16, who: str = "control root"
+    ) -> None:
+        self._who = who
         self._burst = burst
         self._window = window
         self._window_start = time.monotonic()
@@ -87,7 +93,7 @@ class RefusalLog:
             self._window_start, self._logged = now, 0
         if self._logged < self._burst:
             self._logged += 1
-            logger.warning("control root refused %s: %s", peer, reason)
+            logger.warning("%s refused %s: %s", self._who, peer, reason)
         else:
             self._suppressed += 1
 
@@ -95,7 +101,8 @@ class RefusalLog:
         """Log how many refusals went unlogged since the last line, if any."""
         if self._suppressed:
             logger.warning(
-                "control root refused %d more connections in the last %g s (logged %d per %g s)",
+                "%s refused %d more connections in the last %g s (logged %d per %g s)",
+                self._who,
                 self._suppressed,
                 self._window,
                 self._burst,

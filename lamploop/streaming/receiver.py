@@ -28,7 +28,6 @@ import logging
 import socket
 import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from types import TracebackType
 
@@ -40,7 +39,7 @@ from anyio.abc import SocketAttribute, TaskStatus
 from lamploop.control import _tls as tls
 from lamploop.control._connection import address_text, explain
 from lamploop.control._settings import check_int, check_seconds
-from lamploop.control._strangers import PendingHandshakes, spoke_first
+from lamploop.control._strangers import PendingHandshakes, RefusalLog, spoke_first
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
 from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
@@ -94,35 +93,6 @@ class IngestStats:
     put_seconds: float
     max_put_seconds: float
     refusals: int
-
-
-class _Refusals:
-    """Counts refusals, remembers the last few, and logs at most ``burst`` lines per ``window`` seconds."""
-
-    def __init__(self, *, burst: int = 10, window: float = 10.0) -> None:
-        self.total = 0
-        self.recent: deque[str] = deque(maxlen=_RECENT_REFUSALS)
-        self._burst, self._window = burst, window
-        self._window_start = time.monotonic()
-        self._logged = self._suppressed = 0
-
-    def refused(self, peer: str, reason: str) -> None:
-        self.total += 1
-        self.recent.append(f"{peer}: {reason}")
-        now = time.monotonic()
-        if now - self._window_start >= self._window:
-            self.flush()
-            self._window_start, self._logged = now, 0
-        if self._logged < self._burst:
-            self._logged += 1
-            logger.warning("sample receiver refused %s: %s", peer, reason)
-        else:
-            self._suppressed += 1
-
-    def flush(self) -> None:
-        if self._suppressed:
-            logger.warning("sample receiver refused %d more connections (not logged)", self._suppressed)
-            self._suppressed = 0
 
 
 class _Stranger(Exception):
@@ -229,7 +199,7 @@ class SampleReceiver:
         self._ack_every = ack_every
         self._handshakes = PendingHandshakes(max_pending_handshakes)
         self._tls = tls.check_context("ssl_context", ssl_context, server_side=True)
-        self._refusals = _Refusals()
+        self._refusals = RefusalLog(remember=_RECENT_REFUSALS, who="sample receiver")
         self._active: dict[str, _Active] = {}
         self._sup = Supervisor(on_failure=self._wake_up)
         self._all_done_or_failed = anyio.Event()

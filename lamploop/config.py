@@ -37,6 +37,7 @@ import cattrs
 import cattrs.errors
 import cattrs.v
 
+from lamploop.checkpoint.files import read_json_object
 from lamploop.errors import ConfigurationError
 
 __all__ = ["CONFIG_NAME", "DemoConfig", "load_config", "resolve_config", "save_config"]
@@ -237,22 +238,7 @@ def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
             type (``batch_size: expected an integer, got '64' (str)``).
     """
     path = Path(directory) / CONFIG_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        msg = f"{path}: missing"
-        raise ConfigurationError(msg) from None
-    except (OSError, UnicodeDecodeError) as e:
-        msg = f"{path}: cannot read: {e}"
-        raise ConfigurationError(msg) from e
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        msg = f"{path}: not valid JSON: {e}"
-        raise ConfigurationError(msg) from e
-    if not isinstance(raw, dict):
-        msg = f"{path}: expected a JSON object, got {_kind(raw)}"
-        raise ConfigurationError(msg)
+    raw = read_json_object(path, ConfigurationError)
     unknown = sorted(k for k in raw if k not in _ENVELOPE_KEYS)
     if unknown:
         msg = f"{path}: unknown key {', '.join(unknown)} (expected {', '.join(_ENVELOPE_KEYS)})"

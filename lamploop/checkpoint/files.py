@@ -27,12 +27,35 @@ from lamploop.checkpoint.format import (
     LATEST_NAME,
     _FileRecord,
 )
-from lamploop.errors import CheckpointError
+from lamploop.errors import CheckpointError, LamploopError
 
 _log = logging.getLogger("lamploop.checkpoint")
 
 # --------------------------------------------------------------------------------------------
 # Files
+
+
+def read_json_object(
+    path: pathlib.Path, error: type[LamploopError], *, missing: str = "missing"
+) -> dict[str, Any]:
+    """The JSON object in ``path``; ``error`` says what is wrong, starting with the path."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        msg = f"{path}: {missing}"
+        raise error(msg) from e
+    except (OSError, UnicodeDecodeError) as e:
+        msg = f"{path}: cannot read: {e}"
+        raise error(msg) from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"{path}: not valid JSON: {e}"
+        raise error(msg) from e
+    if not isinstance(raw, dict):
+        msg = f"{path}: expected a JSON object, got {type(raw).__name__}"
+        raise error(msg)
+    return raw
 
 
 def _cpu_tensors(tensors: Mapping[Any, Any], what: str) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import pathlib
@@ -18,7 +17,7 @@ import torch
 
 from lamploop.checkpoint.codec import decode_tree
 from lamploop.checkpoint.extras import ExtraState, extra_file
-from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved_at
+from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved_at, read_json_object
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
     _CHUNK,
@@ -133,22 +132,7 @@ def _resolve(path: str | os.PathLike[str]) -> pathlib.Path:
 
 
 def _read_descriptor(path: pathlib.Path) -> _Descriptor:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
-        msg = f"{path}: missing; this is not a complete checkpoint"
-        raise CheckpointError(msg) from e
-    except (OSError, UnicodeDecodeError) as e:
-        msg = f"{path}: cannot read: {e}"
-        raise CheckpointError(msg) from e
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        msg = f"{path}: not valid JSON: {e}"
-        raise CheckpointError(msg) from e
-    if not isinstance(raw, dict):
-        msg = f"{path}: expected a JSON object, got {type(raw).__name__}"
-        raise CheckpointError(msg)
+    raw = read_json_object(path, CheckpointError, missing="missing; this is not a complete checkpoint")
     version = raw.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         msg = f"{path}: no valid format_version (got {version!r}); not a lamploop checkpoint descriptor"

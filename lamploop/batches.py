@@ -9,7 +9,7 @@ resumed run sees exactly the data an uninterrupted run would have seen.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import numpy as np
@@ -22,6 +22,8 @@ __all__ = [
     "BatchContext",
     "BatchStream",
     "BatchStreamFactory",
+    "EndingBatchStream",
+    "source_ended",
     "dataloader_batches",
     "epoch_seed",
     "iterable_batches",
@@ -30,6 +32,27 @@ __all__ = [
 
 Batch: TypeAlias = tuple[Any, torch.Tensor]
 BatchStream: TypeAlias = AsyncIterable[Batch]
+
+
+@runtime_checkable
+class EndingBatchStream(Protocol):
+    """A batch stream over a source that can end for good, such as a stream of samples.
+
+    ``source_ended`` is ``True`` once no batch will ever come again (in this epoch or a later
+    one).  A training epoch in which no rank had a batch and whose stream says so ends the
+    run (:class:`~lamploop.errors.StreamExhausted`) instead of failing with "the batch
+    streams were empty".
+    """
+
+    @property
+    def source_ended(self) -> bool: ...
+
+    def __aiter__(self) -> AsyncIterator[Batch]: ...
+
+
+def source_ended(batches: object) -> bool:
+    """Whether ``batches`` is an :class:`EndingBatchStream` whose source ended."""
+    return isinstance(batches, EndingBatchStream) and batches.source_ended is True
 
 
 @attrs.frozen

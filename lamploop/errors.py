@@ -23,6 +23,7 @@ __all__ = [
     "NonFiniteLossError",
     "PeerLostError",
     "StreamEnded",
+    "StreamExhausted",
     "StreamingError",
     "TrainingInterrupted",
 ]
@@ -48,6 +49,16 @@ class BatchError(LamploopError, ValueError):
 
     Examples: an empty batch, features and targets with different batch
     sizes, or an item that is not a ``(features, target)`` pair.
+    """
+
+
+class StreamExhausted(BatchError):
+    """A training epoch had no batch on any rank because every rank's stream of samples ended.
+
+    Raised by :func:`lamploop.one_epoch` instead of a plain :class:`BatchError` when the
+    streams are :class:`~lamploop.batches.EndingBatchStream` objects that say they ended
+    (such as :func:`lamploop.streaming.buffer_batches`'s); :func:`lamploop.epochs` ends the
+    run there, without recording the empty epoch.
     """
 
 

@@ -14,7 +14,6 @@ from lamploop.errors import ConfigurationError
 from lamploop.streaming.batches import buffer_batches
 from lamploop.streaming.buffers import FifoBuffer, FiroBuffer
 from lamploop.streaming.sample import Sample
-from lamploop.streaming.schedule import until_stream_ends
 
 
 def _sample(i: int) -> Sample:
@@ -44,7 +43,6 @@ def _train(buffer: Any, *, samples: int, batch_size: int, batches_per_epoch: int
                     buffer, batch_size=batch_size, batches_per_epoch=batches_per_epoch
                 ),
                 max_epochs=1000,  # the stream decides
-                learning_rate_schedule=until_stream_ends(buffer),
                 reporters=[],
                 world_size=1,
             )

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heat import random_parameters, solve
 
 import lamploop
-from lamploop.streaming import FiroBuffer, buffer_batches, until_stream_ends
+from lamploop.streaming import FiroBuffer, buffer_batches
 from lamploop.streaming.receiver import SampleReceiver
 
 HERE = Path(__file__).resolve().parent
@@ -93,7 +93,6 @@ async def train(args: argparse.Namespace) -> tuple[lamploop.LoopState, int, int]
             ),
             validation_batches=lamploop.tensor_batches(x_valid, y_valid, batch_size=200, shuffle=False),
             max_epochs=10**6,  # the stream decides when training ends
-            learning_rate_schedule=until_stream_ends(buffer),
             checkpoint_dir=args.out,
             resume=False,
             world_size=1,

@@ -14,7 +14,7 @@ from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
@@ -122,6 +122,8 @@ async def follow_distributed_training(
                         await replica.train(command.epoch, command.lr_factor)
                     except EpochStopped:
                         continue  # the root checkpoints and sends Stop
+                    except StreamExhausted:
+                        continue  # every rank's stream ended: the root ends the run and sends Stop
 
                 elif isinstance(command, Valid):
                     if validation_batches is None:

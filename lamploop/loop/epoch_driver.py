@@ -9,7 +9,7 @@ caller.  In pseudocode::
     while True:
         schedule_state, factor = schedule(schedule_state, state.epoch, state.last_validation_loss)
         if state.epoch >= max_epochs or factor <= 0: return state
-        train_loss = await train_epoch(factor)
+        train_loss = await train_epoch(factor)  # StreamExhausted (no samples left anywhere): return state
         if validating this epoch:
             raw = await validation_epoch()
             smoothed = raw * a + previous_smoothed * (1 - a)
@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from lamploop.errors import ConfigurationError, NonFiniteLossError
+from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
@@ -155,6 +155,9 @@ async def epochs(
         early_stopping_patience: stop once this many validations in a row have not
             improved on the best one (as ``model_selection_*`` judges); ``None``: never.
 
+    A ``train_epoch`` that raises :class:`~lamploop.errors.StreamExhausted` (no rank had
+    a batch: every stream of samples ended) also ends the loop; that epoch is not recorded.
+
     Returns:
         The final ``LoopState``; its ``epoch`` is the number of epochs run in all.
 
@@ -185,7 +188,10 @@ async def epochs(
             return state
         if early_stopping_patience is not None and validations_since_best(state) >= early_stopping_patience:
             return state
-        trained = await train_epoch(factor)
+        try:
+            trained = await train_epoch(factor)
+        except StreamExhausted:  # the stream of samples is over: the run ends, the empty epoch unrecorded
+            return state
         training_loss = _finite(trained, "training loss", epoch)
         validation: tuple[float, float] | None = None
         validation_metrics: dict[str, tuple[float, float]] = {}

@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import torch
 
-from lamploop.batches import BatchStream
-from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError
+from lamploop.batches import BatchStream, source_ended
+from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.batch_checks import check_finite, check_stream, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.loop.forward import BackwardSeeds, Forward, device_of
@@ -36,7 +36,7 @@ from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.settings import check_positive
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
-from lamploop.sync.strategy import GradientSync
+from lamploop.sync.strategy import CountsStepExamples, GradientSync
 
 __all__ = ["one_epoch"]
 
@@ -96,6 +96,8 @@ async def one_epoch(
         ConfigurationError: bad arguments.
         BatchError: an empty or malformed batch (says which epoch, batch and
             rank), or no rank had any batch.
+        StreamExhausted: (a BatchError) no rank had a batch to train on because every
+            rank's stream of samples ended (see :class:`~lamploop.batches.EndingBatchStream`).
         NonFiniteLossError: a loss was NaN or infinite (says which epoch, step, batch and
             rank), or every step of the pass was skipped for one.
         EpochStopped: the ranks stopped at a step boundary on request.
@@ -136,6 +138,9 @@ async def one_epoch(
         total, count, metric_totals = await training.run(batches)
     if count == 0:
         place = "" if epoch is None else f"epoch {epoch}: "
+        if not forward_only and source_ended(batches):
+            msg = f"{place}the streams of samples of all {channel.nranks} rank(s) ended: nothing left"
+            raise StreamExhausted(msg)
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
         raise BatchError(msg)
     if metrics:
@@ -235,6 +240,7 @@ class _TrainingPass:
 
     async def run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
         sync = self.channel.gradient_sync(self.model.module)
+        counts = sync if isinstance(sync, CountsStepExamples) else None
         self.model.module.train()
         sync.begin_pass()
         yield_now = Yielder()
@@ -258,6 +264,8 @@ class _TrainingPass:
             if global_count == 0:
                 break
             self.previous_global_count = global_count
+            if counts is not None:
+                counts.step_examples(expected=expected, local=group_count, total=global_count)
             sync.reduce(expected / global_count)
             bad = bad_ranks(step_losses)
             if bad:

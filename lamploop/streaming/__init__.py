@@ -1,14 +1,14 @@
-"""Online training from streaming producers (in progress: issue 10).
+"""Online training from streaming producers.
 
 Samples (:class:`~lamploop.streaming.sample.Sample`) arrive from producers, wait in a
 buffer (:mod:`lamploop.streaming.buffers`: FIFO, FIRO, reservoir), and batches are drawn
 from the buffer while more arrive (:func:`~lamploop.streaming.batches.buffer_batches`); a
-run ends with its stream (:func:`~lamploop.streaming.schedule.until_stream_ends`); and
+run ends with its stream (the first epoch in which no rank has a batch left); and
 :class:`~lamploop.streaming.state.StreamState` checkpoints the buffer so that a resumed run
 loses nothing.
 """
 
-from lamploop.streaming.batches import buffer_batches, stack_samples, stream_ended
+from lamploop.streaming.batches import BufferStream, buffer_batches, stack_samples, stream_ended
 from lamploop.streaming.buffers import (
     BufferClosedError,
     DuplicateSampleError,
@@ -19,12 +19,12 @@ from lamploop.streaming.buffers import (
     StreamEnded,
 )
 from lamploop.streaming.sample import Sample, SampleSink
-from lamploop.streaming.schedule import until_stream_ends
 from lamploop.streaming.state import STREAM_EXTRA, StreamState
 
 __all__ = [
     "STREAM_EXTRA",
     "BufferClosedError",
+    "BufferStream",
     "DuplicateSampleError",
     "FifoBuffer",
     "FiroBuffer",
@@ -37,5 +37,4 @@ __all__ = [
     "buffer_batches",
     "stack_samples",
     "stream_ended",
-    "until_stream_ends",
 ]

@@ -5,7 +5,10 @@ while producers keep filling it (validation and checkpoints then come every
 ``batches_per_epoch`` batches, as after any epoch), or fewer when the producers are done
 and the buffer runs dry: the last batch may be short, and an epoch after the end of the
 stream has no batch on this rank (it takes part with zero examples, lamploop's
-uneven-stream rule).  :func:`stream_ended` tells whether the end came.
+uneven-stream rule).  The first epoch in which *no* rank has a batch ends the run (on
+one rank or many alike): :func:`lamploop.one_epoch` raises
+:class:`~lamploop.errors.StreamExhausted` and :func:`lamploop.epochs` returns the state
+of the epochs before it.  :func:`stream_ended` tells whether this rank's end came.
 
 The buffer lives on the event loop that fills it (its receiver's).  A run of several ranks
 trains on a worker thread with an event loop of its own (docs/architecture.md): the stream
@@ -30,7 +33,7 @@ from lamploop.settings import check_int
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
 
-__all__ = ["WAIT_SLICE_S", "buffer_batches", "stack_samples", "stream_ended"]
+__all__ = ["WAIT_SLICE_S", "BufferStream", "buffer_batches", "stack_samples", "stream_ended"]
 
 WAIT_SLICE_S = 0.1
 """Longest single wait of a worker thread on the buffer's event loop."""
@@ -108,6 +111,11 @@ def buffer_batches(
         collate: turns a list of samples into a batch (default: :func:`stack_samples`,
             ``(x, y)`` from the tensors named ``"x"`` and ``"y"``).
 
+    Returns:
+        The factory.  Its streams are :class:`BufferStream` objects: the run ends at the
+        first training epoch in which no rank drew a batch because every rank's stream
+        ended (:class:`~lamploop.errors.StreamExhausted`, caught by :func:`lamploop.epochs`).
+
     Raises:
         ConfigurationError: a count is not a positive int, or ``batch_size`` exceeds the
             buffer's capacity (a batch could never be filled).
@@ -124,14 +132,33 @@ def buffer_batches(
     reader = _BufferReader(buffer)
     make_batch = collate if collate is not None else stack_samples()
 
-    def factory(context: BatchContext) -> AsyncIterator[Any]:
-        async def stream() -> AsyncIterator[Any]:
-            for _ in range(batches_per_epoch):
-                samples = await reader.batch(batch_size)
-                if samples is None:
-                    return
-                yield make_batch(samples)
-
-        return stream()
+    def factory(context: BatchContext) -> BufferStream:
+        return BufferStream(reader, batch_size, batches_per_epoch, make_batch)
 
     return factory
+
+
+class BufferStream:
+    """One epoch's batches from a buffer; an :class:`~lamploop.batches.EndingBatchStream`.
+
+    Its :attr:`source_ended` tells :func:`lamploop.one_epoch` that an epoch without batches
+    on every rank is the end of the stream (the run ends) rather than a mistake.
+    """
+
+    def __init__(self, reader: _BufferReader, batch_size: int, batches: int, collate: Collate) -> None:
+        self._reader, self._batch_size, self._batches, self._collate = reader, batch_size, batches, collate
+
+    @property
+    def source_ended(self) -> bool:
+        """The producers are done and the buffer is drained: no batch will come again."""
+        return self._reader.buffer.ended
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[Any]:
+        for _ in range(self._batches):
+            samples = await self._reader.batch(self._batch_size)
+            if samples is None:
+                return
+            yield self._collate(samples)

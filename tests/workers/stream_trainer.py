@@ -22,7 +22,7 @@ import torch
 
 import lamploop
 from lamploop.batches import BatchContext
-from lamploop.streaming import FifoBuffer, FiroBuffer, Sample, StreamState, buffer_batches, until_stream_ends
+from lamploop.streaming import FifoBuffer, FiroBuffer, Sample, StreamState, buffer_batches
 from lamploop.streaming.batches import stack_samples
 from lamploop.streaming.receiver import SampleReceiver
 
@@ -78,7 +78,6 @@ async def main(argv: Sequence[str]) -> None:
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.01),
             train_batches=train_batches,
             max_epochs=10**6,
-            learning_rate_schedule=until_stream_ends(buffer),
             checkpoint_dir=checkpoint_dir,
             keep_last=None,
             checkpoint_extras={"stream": stream},

@@ -240,7 +240,7 @@ class _TrainingPass:
 
     async def run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
         sync = self.channel.gradient_sync(self.model.module)
-        counts = sync if isinstance(sync, CountsStepExamples) else None
+        told_examples = sync if isinstance(sync, CountsStepExamples) else None
         self.model.module.train()
         sync.begin_pass()
         yield_now = Yielder()
@@ -264,8 +264,8 @@ class _TrainingPass:
             if global_count == 0:
                 break
             self.previous_global_count = global_count
-            if counts is not None:
-                counts.step_examples(expected=expected, local=group_count, total=global_count)
+            if told_examples is not None:
+                told_examples.step_examples(expected=expected, local=group_count, total=global_count)
             sync.reduce(expected / global_count)
             bad = bad_ranks(step_losses)
             if bad:

@@ -4,6 +4,10 @@
   interface and the registry of strategies by name;
 - :mod:`~lamploop.sync.all_reduce`, :mod:`~lamploop.sync.reduce_to_root` -- the two
   built-in strategies, over the buckets of :mod:`~lamploop.sync.buckets`;
+- :mod:`~lamploop.sync.compressed_all_reduce` (``all_reduce_bf16``, ``all_reduce_fp16``),
+  :mod:`~lamploop.sync.powersgd` (``powersgd1``, ``powersgd4``) and
+  :mod:`~lamploop.sync.local_sgd` (``local_sgd8``, ``diloco8``) -- strategies that send
+  less per step (docs/strategies.md);
 - :mod:`~lamploop.sync.collectives` -- a process group's collectives, every wait bounded
   and abortable;
 - :mod:`~lamploop.sync.channel`, :mod:`~lamploop.sync.group_channel` -- the tensor channel
@@ -15,9 +19,13 @@ See docs/architecture.md for adding a strategy.
 from lamploop.sync.all_reduce import AllReduce
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
+from lamploop.sync.compressed_all_reduce import CompressedAllReduce
+from lamploop.sync.local_sgd import LocalSGD, OuterNesterov
+from lamploop.sync.powersgd import PowerSGD
 from lamploop.sync.reduce_to_root import ReduceToRoot
 from lamploop.sync.strategy import (
     AUTO,
+    CountsStepExamples,
     GradientSync,
     SyncStrategy,
     register_strategy,
@@ -27,12 +35,23 @@ from lamploop.sync.strategy import (
 
 register_strategy(AllReduce())
 register_strategy(ReduceToRoot())
+register_strategy(CompressedAllReduce(wire="bf16"))
+register_strategy(CompressedAllReduce(wire="fp16"))
+register_strategy(PowerSGD(rank=1))
+register_strategy(PowerSGD(rank=4))
+register_strategy(LocalSGD(every_n_steps=8))
+register_strategy(LocalSGD(every_n_steps=8, outer=OuterNesterov()))
 
 __all__ = [
     "AUTO",
     "AbortSignal",
     "Collectives",
+    "CompressedAllReduce",
+    "CountsStepExamples",
     "GradientSync",
+    "LocalSGD",
+    "OuterNesterov",
+    "PowerSGD",
     "SingleProcessChannel",
     "SyncStrategy",
     "TensorChannel",

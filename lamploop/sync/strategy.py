@@ -9,6 +9,7 @@ every rank alike::
         for each of the step's batches:
             if it is the last: sync.last_backward()
             backward of (loss_sum / expected)
+        sync.step_examples(...)       # only a sync that has it (CountsStepExamples)
         sync.reduce(expected / global example count)
         optimizer step                # every rank, or only the root (steps_on_every_rank)
         sync.after_step()
@@ -34,6 +35,7 @@ from lamploop.sync.collectives import Collectives
 
 __all__ = [
     "AUTO",
+    "CountsStepExamples",
     "GradientSync",
     "SyncStrategy",
     "check_strategy_name",
@@ -85,6 +87,22 @@ class GradientSync(Protocol):
 
     def close(self, *, abandon: bool) -> None:
         """Remove hooks; with ``abandon`` (the run failed) wait for nothing in flight."""
+        ...
+
+
+@runtime_checkable
+class CountsStepExamples(Protocol):
+    """Optional, beside :class:`GradientSync`: a sync told each step's example counts.
+
+    The loop calls :meth:`step_examples` right before :meth:`GradientSync.reduce`, on every
+    rank, when the sync has it (e.g. local SGD, which scales a rank's gradients to its own
+    mean loss and weights the parameter average by the examples each rank saw).
+
+    .. versionadded:: 0.3
+    """
+
+    def step_examples(self, *, expected: int, local: int, total: int) -> None:
+        """This step: ``expected`` (the loss divisor of backward), this rank's and all ranks' examples."""
         ...
 
 

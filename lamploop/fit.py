@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
@@ -36,7 +37,7 @@ from lamploop.arguments import check_batch_factory, check_model, check_optimizer
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
-from lamploop.checkpoint.extras import CheckpointExtra, check_extras
+from lamploop.checkpoint.extras import CheckpointExtra, check_extras, rank_extra_name
 from lamploop.control.tcp import TcpControlRoot
 from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
@@ -49,6 +50,7 @@ from lamploop.distributed.launch import (
     open_root_control,
     spawn_followers,
 )
+from lamploop.distributed.rank_extras import RankExtras
 from lamploop.errors import CheckpointError, ConfigurationError, PeerLostError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
@@ -77,6 +79,7 @@ R = TypeVar("R")
 
 _LOCAL = "127.0.0.1"
 _FOLLOWER_EXIT_TIMEOUT_S = 60.0
+_OTHER_RANKS = re.compile(r"\.rank[0-9]+$")  # the followers' extras in the root's checkpoints
 
 
 class _Heartbeat(TypedDict):
@@ -144,7 +147,7 @@ def _resume(
     if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
         return {}
     checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
-    _restore_extras(checkpoint.path, checkpoint.extras, extras)
+    _restore_extras(checkpoint.path, checkpoint.extras, extras, rank=0)
     checkpoint.rng.restore()
     where = f"epoch {checkpoint.state.loop_state.epoch}"
     if checkpoint.position is not None:
@@ -155,6 +158,7 @@ def _resume(
         "learning_rate_schedule_init_state": checkpoint.schedule_state,
         "init_position": checkpoint.position,
         "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
+        "extras_from": checkpoint.path.name if extras else None,
     }
 
 
@@ -162,9 +166,12 @@ def _restore_extras(
     path: Path,
     saved: Mapping[str, tuple[dict[str, torch.Tensor], Any]],
     extras: Mapping[str, CheckpointExtra],
+    *,
+    rank: int,
 ) -> None:
-    """Load every extra's saved state; one the checkpoint lacks is refused (it would start afresh)."""
-    missing = sorted(set(extras) - set(saved))
+    """Load this rank's state of every extra; one the checkpoint lacks is refused (it would start afresh)."""
+    names = {rank_extra_name(name, rank): name for name in extras}
+    missing = sorted(set(names) - set(saved))
     if missing:
         have = sorted(saved) or "none"
         msg = (
@@ -172,12 +179,26 @@ def _restore_extras(
             "start them afresh while the model carries on; pass resume=False or another checkpoint_dir"
         )
         raise CheckpointError(msg)
-    for name, extra in extras.items():
-        tensors, meta = saved[name]
-        extra.load_state_dict(tensors, meta)
-    unused = sorted(set(saved) - set(extras))
-    if unused:
+    for saved_name, name in names.items():
+        tensors, meta = saved[saved_name]
+        extras[name].load_state_dict(tensors, meta)
+    unused = sorted(n for n in set(saved) - set(names) if rank > 0 or not _OTHER_RANKS.search(n))
+    if unused and rank == 0:
         logger.warning("%s: its checkpoint extras %s are not restored (not given)", path, unused)
+
+
+def _resume_follower_extras(
+    checkpoint_dir: str | Path | None, resume: bool, rank: int, extras: Mapping[str, CheckpointExtra]
+) -> str | None:
+    """A follower restores its own extras from the checkpoint the root resumes from (every rank reads it).
+
+    Returns the checkpoint's name, which the ranks compare when they meet (``None``: nothing restored).
+    """
+    if not extras or checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
+        return None
+    checkpoint = load_checkpoint(checkpoint_dir)
+    _restore_extras(checkpoint.path, checkpoint.extras, extras, rank=rank)
+    return checkpoint.path.name
 
 
 async def fit_async(
@@ -308,6 +329,7 @@ async def fit_async(
     rank_settings = settings.for_every_rank()
     stop = stop_request()
     if place.env is not None and place.rank > 0:
+        restored_from = _resume_follower_extras(checkpoint_dir, resume, place.rank, extras)
         follow = functools.partial(
             follow_distributed_training,
             stop=stop,
@@ -318,6 +340,9 @@ async def fit_async(
             train_batches=train_batches,
             validation_batches=validation_batches,
             optimizer_factory=optimizer_factory,
+            checkpoint_extras=RankExtras(
+                extras, rank=place.rank, nranks=place.nranks, resumed_from=restored_from
+            ),
             **rank_settings,
         )
         try:
@@ -331,9 +356,12 @@ async def fit_async(
         return None
 
     resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module, extras)
+    run_extras = RankExtras(
+        extras, rank=0, nranks=place.nranks, resumed_from=resumed.pop("extras_from", None)
+    )
     save = None
     if checkpoint_dir is not None:
-        save = Checkpointer(checkpoint_dir, keep_last=keep_last, extras=extras)
+        save = Checkpointer(checkpoint_dir, keep_last=keep_last, extras=run_extras)
     listeners = list(reporters) if reporters is not None else [LoggingReporter()]
     emit = EventEmitter(listeners)
 
@@ -374,6 +402,7 @@ async def fit_async(
         checkpoint_position=save_position if save is not None else None,
         stop=stop,
         reporters=listeners,
+        checkpoint_extras=run_extras,
         **resumed,
         **attrs.asdict(settings, recurse=False),
     )
@@ -399,7 +428,7 @@ def _check_checkpoint_extras(
     directory: object,
     every_steps: int | None,
     every_seconds: float | None,
-) -> dict[str, CheckpointExtra]:
+) -> Mapping[str, CheckpointExtra]:
     """Extras need a checkpoint directory, and refuse checkpoints inside epochs."""
     checked = check_extras("fit", extras)
     if not checked:

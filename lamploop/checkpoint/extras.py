@@ -22,9 +22,18 @@ import torch
 
 from lamploop.errors import CheckpointError, ConfigurationError
 
-__all__ = ["CheckpointExtra", "ExtraState", "capture_extras", "check_extras", "extra_file"]
+__all__ = [
+    "CheckpointExtra",
+    "ExtraState",
+    "RankAware",
+    "capture_extras",
+    "check_extras",
+    "extra_file",
+    "rank_extra_name",
+]
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+_RANK_SUFFIX: Final = re.compile(r"\.rank[0-9]+$")
 
 ExtraState: TypeAlias = tuple[dict[str, torch.Tensor], Any]
 """An extra's saved state: its tensors and its JSON ``meta``."""
@@ -43,13 +52,39 @@ class CheckpointExtra(Protocol):
         ...
 
 
+@runtime_checkable
+class RankAware(Protocol):
+    """An extra that takes part when the ranks of a run meet (optional, beside :class:`CheckpointExtra`).
+
+    Each rank's :meth:`rank_info` travels to every rank, and every rank's
+    :meth:`ranks_joined` receives them all in rank order, before any training.  A stream
+    state uses it to tell the root where each rank's receiver listens.
+    """
+
+    def rank_info(self) -> Any:
+        """What the other ranks should know of this rank's extra (plain JSON)."""
+        ...
+
+    def ranks_joined(self, infos: list[Any], rank: int) -> None:
+        """Every rank's :meth:`rank_info`, in rank order; ``rank`` is this rank."""
+        ...
+
+
+def rank_extra_name(name: str, rank: int) -> str:
+    """Where rank ``rank``'s extra ``name`` is saved: ``name`` on rank 0, else ``name.rank<r>``."""
+    return name if rank == 0 else f"{name}.rank{rank}"
+
+
 def extra_file(name: str) -> str:
     """The file holding extra ``name``'s tensors: ``extra-<name>.safetensors``."""
     return f"extra-{name}.safetensors"
 
 
-def check_extras(where: str, extras: Mapping[str, CheckpointExtra] | None) -> dict[str, CheckpointExtra]:
-    """The extras as a dict, after checking every name and object.
+def check_extras(where: str, extras: Mapping[str, CheckpointExtra] | None) -> Mapping[str, CheckpointExtra]:
+    """``extras`` (``{}`` for ``None``) after checking every name and object.
+
+    The mapping itself is kept, not a copy: a :class:`~lamploop.distributed.rank_extras.RankExtras`
+    grows by the followers' states as a run goes on.
 
     Raises:
         ConfigurationError: not a mapping, a name that is not 1 to 100 of ``A-Z a-z 0-9 _ . -``
@@ -68,13 +103,19 @@ def check_extras(where: str, extras: Mapping[str, CheckpointExtra] | None) -> di
                 "(not starting with . or -); it names the file extra-<name>.safetensors"
             )
             raise ConfigurationError(msg)
+        if _RANK_SUFFIX.search(name):
+            msg = (
+                f"{where}: checkpoint_extras name {name!r} ends like the names of other ranks' extras "
+                "(<name>.rank<r>); choose another"
+            )
+            raise ConfigurationError(msg)
         if not isinstance(extra, CheckpointExtra):
             msg = (
                 f"{where}: checkpoint_extras[{name!r}] is a {type(extra).__qualname__}, which has no "
                 "state_dict() and load_state_dict(tensors, meta)"
             )
             raise ConfigurationError(msg)
-    return dict(extras)
+    return extras
 
 
 def capture_extras(extras: Mapping[str, CheckpointExtra]) -> dict[str, ExtraState]:

@@ -22,7 +22,7 @@ What happens, in order:
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -34,9 +34,11 @@ import torch
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import RngStates
+from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition, StopRequest
 from lamploop.distributed.process_group import create_store
+from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import (
     RankPlan,
     Replica,
@@ -292,6 +294,7 @@ async def drive_distributed_training(
     init_rank_rngs: Sequence[RngStates] = (),
     stop: StopRequest | None = None,
     reporters: Sequence[Reporter] = (),
+    checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
 ) -> LoopState:
     """Drive training on the root rank (rank 0); with ``nranks == 1``, train alone.
 
@@ -353,6 +356,13 @@ async def drive_distributed_training(
             peers joined, each epoch's start, progress samples, validation and end, and the
             run's end.  How a run fails or stops is raised to the caller (:func:`lamploop.fit`
             reports it); reporters are not closed here.
+        checkpoint_extras: state beside the model on every rank (a stream's buffer...,
+            see :mod:`lamploop.checkpoint.extras`), when ``nranks > 1``: the ranks check when
+            they meet that they all carry extras of the same names, and after every training
+            pass each follower's are sent here.  Pass a
+            :class:`~lamploop.distributed.rank_extras.RankExtras` and hand the same object
+            to the checkpoint writer to save every rank's (``fit`` does).  Every follower
+            passes its own.
 
     The other arguments are those of :func:`lamploop.epochs`.
 
@@ -402,6 +412,7 @@ async def drive_distributed_training(
         save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
         saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},
+        extras=rank_extras(checkpoint_extras, 0, nranks),
     )
     schedule_state = (
         learning_rate_schedule_init_state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -9,10 +10,12 @@ import anyio.to_thread
 import torch
 
 from lamploop.batches import BatchStreamFactory
+from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlFollower, Train, Valid
 from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
 from lamploop.distributed.process_group import connect_store
+from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
@@ -49,6 +52,7 @@ async def follow_distributed_training(
     step_schedule: StepSchedule | None = None,
     lr_scheduler: LrSchedulerFactory | None = None,
     lr_scheduler_interval: SchedulerInterval = "epoch",
+    checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -68,6 +72,10 @@ async def follow_distributed_training(
             :func:`drive_distributed_training`).
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.
+        checkpoint_extras: this rank's state beside the model (a stream's buffer...); the
+            root's run must carry extras of the same names; after every training pass they
+            are sent to the root, which saves them as ``<name>.rank<r>`` (see
+            :func:`drive_distributed_training`).
 
     Raises:
         ConfigurationError: bad arguments.
@@ -112,6 +120,7 @@ async def follow_distributed_training(
         validation_batches=validation_batches,
         settings=settings,
         stop=stop if stop is not None else StopRequest(),
+        extras=rank_extras(checkpoint_extras, rank, nranks),
     )
     async with open_replica(plan, connect, AbortSignal()) as replica:
 

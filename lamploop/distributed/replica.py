@@ -20,6 +20,7 @@ from lamploop.checkpoint import RngStates
 from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequest
 from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
+from lamploop.distributed.rank_extras import RankExtras
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
@@ -85,6 +86,7 @@ class Replica:
     boundary: RankBoundary | None = None
     resume_at: EpochPosition | None = None
     saved: Mapping[str, Any] = attrs.field(factory=dict)
+    extras: RankExtras | None = None
     loss_scale: LossScale | None = attrs.field(init=False, default=None)
     lr_scheduler: Any = attrs.field(init=False, default=None)
     average: WeightAverage | None = attrs.field(init=False, default=None)
@@ -188,6 +190,7 @@ class Replica:
 
     async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
         stream = batches(self._context(epoch))
+        forward_only = how.get("forward_only", False)
 
         async def one_pass() -> float:
             loss = await one_epoch(
@@ -195,6 +198,8 @@ class Replica:
             )
             if self.boundary is not None:
                 self.boundary.keep_rng_states()  # for the checkpoint at the end of the epoch
+            if self.extras is not None and isinstance(self.channel, ProcessGroupChannel) and not forward_only:
+                self.extras.after_training_pass(self.channel.collectives)  # the followers' to the root
             return loss
 
         return await self.run_epoch(one_pass)
@@ -225,6 +230,7 @@ class RankPlan:
         base_lrs: the optimizer's learning rates before any factor.
         train_batches, validation_batches: its stream factories.
         settings: the run's settings.
+        extras: its checkpoint extras (see :mod:`lamploop.distributed.rank_extras`), if any.
     """
 
     rank: int
@@ -240,6 +246,7 @@ class RankPlan:
     save: SavePosition | None = None
     resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
     saved: Mapping[str, Any] = attrs.field(factory=dict)
+    extras: RankExtras | None = None
 
     def replica(
         self,
@@ -264,6 +271,7 @@ class RankPlan:
             boundary=boundary,
             resume_at=resume_at,
             saved=saved,
+            extras=self.extras,
         )
 
 
@@ -351,6 +359,8 @@ async def open_replica(
             _check_fp16_strategy(settings, strategy)
             saved = _share_saved(collectives, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
+            extras = plan.extras or RankExtras({}, rank=plan.rank, nranks=plan.nranks)
+            extras.meet(collectives)  # on every rank, extras or not: a rank without them is refused here
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
         except BaseException:
             collectives.abandon()  # the ranks failed to agree or a peer was lost while they met

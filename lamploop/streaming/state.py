@@ -31,14 +31,23 @@ replayed, so every sample is read as often as the buffer's policy says.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import torch
 
+from lamploop.checkpoint.extras import rank_extra_name
 from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint
-from lamploop.errors import CheckpointError
+from lamploop.distributed.launch import launch_env
+from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.streaming.buffers import StreamBuffer
+
+if TYPE_CHECKING:
+    from lamploop.streaming.receiver import SampleReceiver
 
 __all__ = ["STREAM_EXTRA", "StreamState"]
 
@@ -52,19 +61,73 @@ class StreamState:
     Call :meth:`restore` before the receiver opens; ``fit``'s own restore on resume then
     finds the buffer restored from that same state and leaves it alone.
 
+    With several ranks (each with its own buffer and receiver) it is also
+    :class:`~lamploop.checkpoint.extras.RankAware`: when the ranks meet, each announces its
+    receiver's address, and the root's receiver then hands producers out round-robin to
+    every rank's (:meth:`~lamploop.streaming.receiver.SampleReceiver.set_directory`);
+    :meth:`wait_ranks_joined` tells when (start the producers after it to spread them).
+
+    Make it on the event loop the buffer lives on: its state is read there, also when a
+    rank's training thread asks for it.
+
     Args:
         buffer: the buffer the receiver fills and ``buffer_batches`` reads.
         name: the extra's name in ``checkpoint_extras`` (what :meth:`restore` looks for).
+        receiver: this rank's receiver (into ``buffer``), to spread producers over the
+            ranks; ``None`` with one rank or when the producers know every rank's address.
     """
 
-    def __init__(self, buffer: StreamBuffer, *, name: str = STREAM_EXTRA) -> None:
+    def __init__(
+        self, buffer: StreamBuffer, *, name: str = STREAM_EXTRA, receiver: SampleReceiver | None = None
+    ) -> None:
         self.buffer = buffer
         self.name = name
+        self.receiver = receiver
         self._restored: Any = None  # the meta restore() loaded, None before
+        self._loop_thread = threading.get_ident()
+        self._token = _current_token()
+        self._joined = anyio.Event() if self._token is not None else None
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The buffer's state now (its meta includes ``last_seq``, the acknowledged positions)."""
-        return self.buffer.state_dict()
+        state: tuple[dict[str, torch.Tensor], dict[str, Any]] = self._on_loop(self.buffer.state_dict)
+        return state
+
+    def _on_loop(self, read: Any) -> Any:
+        """``read()`` on the buffer's event loop: a training thread must not race the receiver's puts."""
+        if self._token is None or threading.get_ident() == self._loop_thread:
+            return read()
+        return anyio.from_thread.run_sync(read, token=self._token)
+
+    def rank_info(self) -> Any:
+        """This rank's receiver address ``[host, port]`` (``None`` without a receiver)."""
+        if self.receiver is None:
+            return None
+        host, port = self.receiver.address
+        return [host, port]
+
+    def ranks_joined(self, infos: list[Any], rank: int) -> None:
+        """On the root: hand the producers out over every rank's receiver (see the class)."""
+        if rank == 0 and self.receiver is not None and len(infos) > 1:
+            if any(info is None for info in infos):
+                missing = [r for r, info in enumerate(infos) if info is None]
+                msg = (
+                    f"stream state {self.name!r}: ranks {missing} have no receiver "
+                    "(StreamState(receiver=...)), so the root cannot hand producers out to them"
+                )
+                raise ConfigurationError(msg)
+            addresses = [(str(host), int(port)) for host, port in infos]
+            receiver = self.receiver
+            self._on_loop(lambda: receiver.set_directory(addresses))
+        if self._joined is not None:
+            self._on_loop(self._joined.set)
+
+    async def wait_ranks_joined(self) -> None:
+        """Return once the ranks of the run met (never with one rank: they do not meet)."""
+        if self._joined is None:
+            msg = "StreamState.wait_ranks_joined: the stream state was made outside an event loop"
+            raise ConfigurationError(msg)
+        await self._joined.wait()
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         """Restore the buffer, unless :meth:`restore` already did from this same state.
@@ -92,11 +155,20 @@ class StreamState:
             raise CheckpointError(msg)
         self.buffer.load_state_dict(tensors, meta)
 
-    def restore(self, checkpoint_dir: str | os.PathLike[str] | None) -> dict[str, int]:
+    def restore(
+        self, checkpoint_dir: str | os.PathLike[str] | None, *, rank: int | None = None
+    ) -> dict[str, int]:
         """Load the latest checkpoint's stream state into the buffer; the receiver's ``acknowledged=``.
 
         Returns ``{}`` (nothing restored) when ``checkpoint_dir`` is ``None`` or holds no
-        checkpoint yet.  Reads the same checkpoint ``fit(resume=True)`` then resumes from.
+        checkpoint yet.  Reads the same checkpoint ``fit(resume=True)`` then resumes from:
+        with several ranks, every rank must see ``checkpoint_dir`` (one machine, or a shared
+        file system) and restores its own buffer, saved as ``<name>.rank<r>``.
+
+        Args:
+            checkpoint_dir: the run's checkpoint directory.
+            rank: this rank (default: the launcher's, see :mod:`lamploop.distributed.launch`,
+                else 0).
 
         Raises:
             CheckpointError: the checkpoint is invalid, or has no stream state of this name
@@ -105,13 +177,18 @@ class StreamState:
         """
         if checkpoint_dir is None or latest_checkpoint(checkpoint_dir) is None:
             return {}
+        if rank is None:
+            env = launch_env()
+            rank = env.rank if env is not None else 0
         checkpoint = load_checkpoint(checkpoint_dir)
-        saved = checkpoint.extras.get(self.name)
+        name = rank_extra_name(self.name, rank)
+        saved = checkpoint.extras.get(name)
         if saved is None:
             have = sorted(checkpoint.extras) or "none"
             msg = (
-                f"{checkpoint.path}: has no stream state {self.name!r} (its checkpoint extras: {have}); "
-                "it was written without checkpoint_extras, so a resumed stream would lose samples"
+                f"{checkpoint.path}: has no stream state {name!r} (its checkpoint extras: {have}); "
+                "it was written without checkpoint_extras or by a run of fewer ranks, so a resumed "
+                "stream would lose samples"
             )
             raise CheckpointError(msg)
         tensors, meta = saved
@@ -121,3 +198,11 @@ class StreamState:
 
     def __repr__(self) -> str:
         return f"StreamState({type(self.buffer).__name__}, name={self.name!r})"
+
+
+def _current_token() -> Any:
+    """The running event loop's token, ``None`` outside one."""
+    try:
+        return anyio.lowlevel.current_token()
+    except RuntimeError:  # anyio's NoEventLoopError
+        return None

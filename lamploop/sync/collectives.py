@@ -216,6 +216,27 @@ class Collectives:
         cpu = rows.cpu()
         return [json.loads(bytes(cpu[r, : int(lengths[r])].tolist()).decode()) for r in range(self.nranks)]
 
+    def gather_bytes_to_root(self, payload: bytes, what: str) -> list[bytes] | None:
+        """Every rank's ``payload`` on the root, in rank order (``None`` elsewhere); blocking, no pickle.
+
+        The lengths travel first (one all-reduce), then every payload padded to the longest
+        (one gather to rank 0): the followers send their bytes once, not to every rank.
+        """
+        lengths = torch.zeros(self.nranks, dtype=torch.int64)
+        lengths[self.rank] = len(payload)
+        self.wait(self.all_reduce([lengths]), f"lengths of the {what}")
+        longest = max(1, int(lengths.max().item()))
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        rows = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.nranks)] if self.rank == 0 else []
+        self.wait(self._started(self.group.gather([rows], [mine], options), [mine, *rows]), what)
+        if self.rank != 0:
+            return None
+        return [rows[r][: int(lengths[r])].numpy().tobytes() for r in range(self.nranks)]
+
     def check_agreement(self, label: str, value: str) -> None:
         """Raise DistributedError on every rank if the ranks hold different ``value`` for ``label``."""
         root_value = self.broadcast_json([value], f"root's {label}")[0]

@@ -1,0 +1,117 @@
+"""The pipeline's process group: one rank per stage, every wait bounded by its timeout.
+
+``torch.distributed.pipelining`` finds ranks through ``torch.distributed``'s global
+registry (``dist.get_rank(group)`` needs the default group), so unlike the data-parallel
+loop, which builds process-group objects of its own, a pipeline uses the process's
+*default* group: one pipeline per process, opened and closed by :func:`open_pipeline_group`.
+
+Gloo carries the activations and gradients between CPU stages.  Its timeout bounds every
+wait: a stage whose process dies closes its connections and its neighbours fail at once;
+a stage that hangs (frozen, cut off) makes them fail after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final
+
+import attrs
+import torch.distributed as dist
+
+from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.settings import check_int, check_seconds
+
+__all__ = ["DEFAULT_PIPELINE_TIMEOUT_S", "PipelineGroup", "open_pipeline_group"]
+
+DEFAULT_PIPELINE_TIMEOUT_S: Final = 300.0
+"""How long a stage waits for a neighbour's activations or gradients (and for the others to
+join) before it fails.  There is no heartbeat here: a hung stage is found only by this, and a
+step slower than it is taken for a failure."""
+
+_PREFIX = "lamploop-pipeline/"
+
+
+@attrs.frozen
+class PipelineGroup:
+    """This process's place in the pipeline: it runs stage ``rank`` of ``world_size``.
+
+    Attributes:
+        rank: this process's rank, which is the index of the stage it runs.
+        world_size: the number of ranks, which must equal the number of stages.
+    """
+
+    rank: int
+    world_size: int
+
+
+@contextmanager
+def open_pipeline_group(
+    *,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    timeout: float = DEFAULT_PIPELINE_TIMEOUT_S,
+) -> Iterator[PipelineGroup]:
+    """Join the pipeline's Gloo process group (this process's default group) for the ``with`` block.
+
+    Rank 0 opens a ``torch.distributed.TCPStore`` on ``host:port`` for the rendezvous; the
+    others connect to it.  Leaving the block destroys the group, which closes its
+    connections: a stage that fails and leaves makes its neighbours fail at once.
+
+    Args:
+        rank: this process's rank (the stage it runs).
+        world_size: the number of ranks (stages).
+        host, port: where rank 0's store listens (every rank passes the same).
+        timeout: seconds that joining, and later every send, receive and sum, may wait.
+
+    Raises:
+        ConfigurationError: bad arguments, or this process already has a default group.
+        DistributedError: the store could not be opened or reached, or the other ranks did
+            not join within ``timeout``.
+    """
+    check_int("open_pipeline_group: world_size", world_size, 1)
+    check_int("open_pipeline_group: rank", rank, 0)
+    if rank >= world_size:
+        msg = f"open_pipeline_group: rank must be in 0..{world_size - 1}, got {rank}"
+        raise ConfigurationError(msg)
+    check_int("open_pipeline_group: port", port, 1)
+    seconds = check_seconds("open_pipeline_group: timeout", timeout)
+    if dist.is_initialized():
+        msg = (
+            "open_pipeline_group: this process already has a default process group; "
+            "a pipeline needs it for itself (one pipeline per process)"
+        )
+        raise ConfigurationError(msg)
+    span = datetime.timedelta(seconds=seconds)
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=span, wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        what = "open its store on" if rank == 0 else "reach rank 0's store at"
+        msg = f"pipeline rank {rank}: cannot {what} {host}:{port}: {exc}"
+        raise DistributedError(msg) from exc
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(_PREFIX, store), rank=rank, world_size=world_size, timeout=span
+        )
+    except (RuntimeError, OSError) as exc:
+        msg = (
+            f"pipeline rank {rank} of {world_size}: the other ranks did not join within {seconds:g} s: {exc}"
+        )
+        raise DistributedError(msg) from exc
+    try:
+        yield PipelineGroup(rank=rank, world_size=world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def current_group(where: str) -> PipelineGroup:
+    """The default group as a :class:`PipelineGroup` (rank and world size), refusing none."""
+    if not dist.is_initialized():
+        msg = f"{where}: no process group; run it inside `with open_pipeline_group(...)`"
+        raise ConfigurationError(msg)
+    return PipelineGroup(rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -232,7 +232,8 @@ class Collectives:
         options = dist.GatherOptions()
         options.rootRank = 0
         rows = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.nranks)] if self.rank == 0 else []
-        self.wait(self._started(self.group.gather([rows], [mine], options), [mine, *rows]), what)
+        outputs = [rows] if self.rank == 0 else []  # Gloo wants no output list at all off the root
+        self.wait(self._started(self.group.gather(outputs, [mine], options), [mine, *rows]), what)
         if self.rank != 0:
             return None
         return [rows[r][: int(lengths[r])].numpy().tobytes() for r in range(self.nranks)]

@@ -16,11 +16,13 @@ __all__ = [
     "ControlChannelError",
     "DistributedError",
     "DuplicateSampleError",
+    "FederatedError",
     "FrameError",
     "HandshakeError",
     "LamploopError",
     "MissingDependencyError",
     "NonFiniteLossError",
+    "PlanNotApprovedError",
     "PeerLostError",
     "StreamEnded",
     "StreamExhausted",
@@ -109,6 +111,22 @@ class ControlChannelError(LamploopError):
 
 class StreamingError(ControlChannelError):
     """The streaming transport failed: a producer could not deliver, or a receiver's sink failed."""
+
+
+class FederatedError(LamploopError):
+    """A federated run failed: too few nodes answered a round, a checkpoint does not fit the plan..."""
+
+
+class PlanNotApprovedError(FederatedError):
+    """A node refused a training plan whose hash is not on its allow-list (the message names the hash).
+
+    Attributes:
+        plan_hash: the refused plan's sha256.
+    """
+
+    def __init__(self, message: str, *, plan_hash: str) -> None:
+        super().__init__(message)
+        self.plan_hash = plan_hash
 
 
 class StreamEnded(LamploopError):

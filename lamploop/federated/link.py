@@ -1,0 +1,201 @@
+"""One authenticated connection between a node and the aggregator: whole messages in and out.
+
+:class:`Link` wraps an anyio byte stream (TCP, or TLS over it) with the sans-IO codec of
+:mod:`lamploop.federated.wire`; transport errors become
+:class:`~lamploop.errors.ControlChannelError`, bad frames :class:`~lamploop.errors.FrameError`.
+:func:`accept_node` and :func:`join_aggregator` are the two ends of the handshake, the
+control channel's (:mod:`lamploop.control.wire`): the aggregator's challenge, the node's
+hello with an HMAC proof of the shared token, the aggregator's own proof in its welcome.
+Until the proof checks out a frame may not exceed
+:data:`~lamploop.federated.wire.PREAUTH_FRAME_BYTES`.  Callers bound the time of every call.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import anyio
+import anyio.abc
+
+from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
+from lamploop.control.wire import new_nonce, proof_matches
+from lamploop.errors import ControlChannelError, HandshakeError
+from lamploop.federated.wire import (
+    PREAUTH_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Challenge,
+    FrameDecoder,
+    Hello,
+    Message,
+    Refuse,
+    Welcome,
+    aggregator_proof,
+    encode_frame,
+    node_proof,
+)
+
+__all__ = ["Link", "accept_node", "join_aggregator"]
+
+logger = logging.getLogger("lamploop.federated")
+
+_RECEIVE_BYTES = 1024 * 1024
+
+
+class Link:
+    """A byte stream that sends and receives whole federated messages."""
+
+    def __init__(
+        self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None
+    ) -> None:
+        self.stream = stream
+        self.max_frame_bytes = max_frame_bytes
+        self.decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES))
+        self._peer = peer
+        self._pending: deque[Message] = deque()
+        self._ended = False
+
+    @property
+    def peer(self) -> str:
+        """Who is at the other end, for messages."""
+        if self._peer is None:
+            self._peer = remote(self.stream)
+        return self._peer
+
+    def authenticated(self, name: str) -> None:
+        """The peer proved the token: name it and lift the frame limit to ``max_frame_bytes``."""
+        self._peer = name
+        self.decoder.max_frame_bytes = self.max_frame_bytes
+
+    async def send(self, message: Message) -> None:
+        """Send one message.
+
+        Raises:
+            FrameError: it cannot be encoded within the limit.
+            ControlChannelError: the connection failed.
+        """
+        await self.send_frame(encode_frame(message, max_frame_bytes=self.max_frame_bytes))
+
+    async def send_frame(self, data: bytes) -> None:
+        """Send a frame encoded already (one round's task, encoded once for every node).
+
+        Raises:
+            ControlChannelError: the connection failed.
+        """
+        try:
+            await self.stream.send(data)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            msg = f"sending to {self.peer} failed: {explain(exc)}"
+            raise ControlChannelError(msg) from exc
+
+    async def receive(self) -> Message | None:
+        """The next message, or ``None`` at a clean end of stream.
+
+        Raises:
+            FrameError: a bad frame.
+            ControlChannelError: the connection failed or ended inside a frame.
+        """
+        while not self._pending:
+            if self._ended:
+                return None
+            try:
+                data = await self.stream.receive(_RECEIVE_BYTES)
+            except anyio.EndOfStream:
+                self._ended = True
+                if self.decoder.buffered:
+                    msg = f"{self.peer} closed the connection in the middle of a frame"
+                    raise ControlChannelError(msg) from None
+                return None
+            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                msg = f"receiving from {self.peer} failed: {explain(exc)}"
+                raise ControlChannelError(msg) from exc
+            self._pending.extend(self.decoder.feed(data))
+        return self._pending.popleft()
+
+    async def send_best_effort(self, message: Message) -> None:
+        """Try to send last words within :data:`GOODBYE_TIMEOUT`, even in a cancelled scope."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
+            try:
+                await self.send(message)
+            except ControlChannelError as exc:
+                logger.debug("could not tell %s %r: %s", self.peer, message, exc)
+
+    async def aclose(self) -> None:
+        """Close at once, also in a cancelled scope."""
+        with anyio.CancelScope(shield=True):
+            await anyio.aclose_forcefully(self.stream)
+
+
+async def accept_node(link: Link, token: bytes) -> str:
+    """The aggregator's end of the handshake; returns the node's name.
+
+    Raises:
+        HandshakeError: a wrong protocol version, a wrong proof, or not a hello (the peer was
+            told why, as far as it listens).
+        FrameError, ControlChannelError: garbage, an oversized frame, a broken connection.
+    """
+    nonce = new_nonce()
+    await link.send(Challenge(PROTOCOL_VERSION, nonce))
+    hello = await link.receive()
+    if hello is None:
+        msg = f"{link.peer} closed the connection before its hello"
+        raise HandshakeError(msg)
+    if not isinstance(hello, Hello):
+        msg = f"{link.peer} sent a {type(hello).__name__} instead of a hello"
+        await link.send_best_effort(Refuse(msg))
+        raise HandshakeError(msg)
+    if hello.protocol_version != PROTOCOL_VERSION:
+        version = hello.protocol_version
+        msg = f"{link.peer} speaks protocol version {version}, this aggregator {PROTOCOL_VERSION}"
+        await link.send_best_effort(Refuse(msg))
+        raise HandshakeError(msg)
+    if not proof_matches(node_proof(token, aggregator_nonce=nonce, hello=hello), hello.proof):
+        msg = f"{link.peer} (calling itself {hello.node!r}) did not prove the token: wrong token"
+        await link.send_best_effort(Refuse("wrong token"))
+        raise HandshakeError(msg)
+    await link.send(Welcome(aggregator_proof(token, aggregator_nonce=nonce, hello=hello)))
+    link.authenticated(hello.node)
+    return hello.node
+
+
+async def join_aggregator(link: Link, token: bytes, name: str) -> None:
+    """The node's end of the handshake.
+
+    Raises:
+        HandshakeError: refused (the aggregator's reason), or the aggregator did not prove the
+            token (it is not the aggregator this node trusts).
+        FrameError, ControlChannelError: a bad frame or a broken connection.
+    """
+    challenge = await link.receive()
+    if not isinstance(challenge, Challenge):
+        what = "closed the connection" if challenge is None else f"sent a {type(challenge).__name__}"
+        msg = f"the aggregator at {link.peer} {what} instead of a challenge"
+        raise HandshakeError(msg)
+    if challenge.protocol_version != PROTOCOL_VERSION:
+        version = challenge.protocol_version
+        msg = f"the aggregator speaks protocol version {version}, this node {PROTOCOL_VERSION}"
+        raise HandshakeError(msg)
+    unsigned = Hello(PROTOCOL_VERSION, name, new_nonce(), "")
+    hello = Hello(
+        PROTOCOL_VERSION,
+        name,
+        unsigned.nonce,
+        node_proof(token, aggregator_nonce=challenge.nonce, hello=unsigned),
+    )
+    await link.send(hello)
+    answer = await link.receive()
+    if isinstance(answer, Refuse):
+        msg = f"the aggregator at {link.peer} refused node {name!r}: {answer.reason}"
+        raise HandshakeError(msg)
+    if not isinstance(answer, Welcome):
+        what = "closed the connection" if answer is None else f"sent a {type(answer).__name__}"
+        msg = f"the aggregator at {link.peer} {what} instead of a welcome"
+        raise HandshakeError(msg)
+    if not proof_matches(
+        aggregator_proof(token, aggregator_nonce=challenge.nonce, hello=hello), answer.proof
+    ):
+        msg = f"the aggregator at {link.peer} did not prove the token: not the aggregator this node trusts"
+        raise HandshakeError(msg)
+    link.authenticated("the aggregator")

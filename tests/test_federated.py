@@ -1,0 +1,95 @@
+"""Federated rounds over real node processes and sockets: FedAvg's exactness, the round's records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import torch
+
+from lamploop.batches import BatchContext, tensor_batches
+from lamploop.federated import TrainingPlan, mlp
+from lamploop.loop import one_epoch
+from lamploop.model import SupervisedModel
+from tests.workers.federated_harness import (
+    aggregate,
+    free_port,
+    make_plan,
+    node_result,
+    processes,
+    start_node,
+)
+from tests.workers.federated_node import dataset
+
+
+def _sgd_steps(plan: TrainingPlan, rows: tuple[int, int], steps: int) -> dict[str, torch.Tensor]:
+    """``steps`` synchronous SGD steps of the mean loss over ``rows`` of the data, in this process.
+
+    One batch holding every example of every node: what an all-reduce of the nodes' summed
+    gradients followed by one step computes (the equivalence tests/test_distributed.py pins).
+    """
+    module = mlp(dict(plan.model.options))
+    optimizer = torch.optim.SGD(module.parameters(), lr=plan.optimizer.learning_rate)
+    x, y = dataset()
+    start, stop = rows
+    batches = tensor_batches(x[start:stop], y[start:stop], batch_size=stop - start, shuffle=False)
+    model = SupervisedModel(module)
+
+    async def train() -> None:
+        for epoch in range(steps):
+            await one_epoch(model=model, batches=batches(BatchContext(epoch)), step_optimizer=optimizer.step)
+
+    anyio.run(train)
+    return {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+
+def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(actual) == list(expected)
+    for name in expected:
+        assert actual[name].dtype == torch.float64
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_one_local_sgd_step_on_equal_shards_equals_a_synchronous_step_on_the_union(tmp_path: Path) -> None:
+    plan = make_plan()
+    port = free_port()
+    shards = [(0, 40), (40, 80), (80, 120)]
+    nodes = [
+        start_node(tmp_path, plan, port, f"node-{i}", rows=list(rows), batch_size=40)
+        for i, rows in enumerate(shards)
+    ]
+    with processes(nodes):
+        result = aggregate(plan, port, rounds=2, min_nodes=3, expected_nodes=3)
+        summaries = [node_result(node) for node in nodes]
+    _assert_close(dict(result.model), _sgd_steps(plan, (0, 120), steps=2))
+    assert [s["trained"] for s in summaries] == [[0, 1]] * 3
+    for record in result.rounds:
+        assert [r.node for r in record.answered] == ["node-0", "node-1", "node-2"]
+        assert [r.sample_count for r in record.answered] == [40, 40, 40]
+        assert record.missing == ()
+        assert record.validation_before is not None
+        assert record.validation_before.examples == 120
+        assert all(r.train_wall_s > 0 and r.train_cpu_s >= 0 for r in record.answered)
+    # Round 1's global model is round 0's result: validation before it is better than before round 0.
+    assert result.rounds[1].validation_before.loss < result.rounds[0].validation_before.loss  # type: ignore[union-attr]
+
+
+def test_fedavg_weights_by_sample_count_on_unequal_shards(tmp_path: Path) -> None:
+    plan = make_plan()
+    port = free_port()
+    shards = [(0, 30), (30, 120)]
+    nodes = [
+        start_node(tmp_path, plan, port, f"node-{i}", rows=list(rows), batch_size=rows[1] - rows[0])
+        for i, rows in enumerate(shards)
+    ]
+    with processes(nodes):
+        result = aggregate(plan, port, rounds=1, min_nodes=2, expected_nodes=2)
+        for node in nodes:
+            node_result(node)
+    assert [r.sample_count for r in result.rounds[0].answered] == [30, 90]
+    union = _sgd_steps(plan, (0, 120), steps=1)
+    _assert_close(dict(result.model), union)
+    # The plain mean of the two local models is not the union's step: the weighting matters.
+    local = [_sgd_steps(plan, rows, steps=1) for rows in shards]
+    unweighted = {name: (local[0][name] + local[1][name]) / 2 for name in union}
+    assert max(float((unweighted[n] - union[n]).abs().max()) for n in union) > 1e-4

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,11 @@ class FirstPut:
         if self.first is None:
             self.first = time.perf_counter()
         await self.buffer.put(sample)
+
+    def try_put_many(self, samples: Sequence[Sample]) -> int:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return int(self.buffer.try_put_many(samples))
 
 
 def ingest_lamploop(count: int, floats: int) -> float:

@@ -49,15 +49,18 @@ from lamploop.streaming.wire import (
     FramedStream,
     Hello,
     Message,
+    Redirect,
     Refuse,
-    SampleFrame,
+    SamplesFrame,
     Welcome,
     decode_body,
     encode_frame,
     encode_tensors,
     producer_proof,
     receiver_proof,
+    redirect_proof,
     sample_frame,
+    samples_frame,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -150,7 +153,8 @@ def test_every_message_round_trips_and_samples_keep_their_bits() -> None:
     plain: list[Message] = [
         Challenge(PROTOCOL_VERSION, nonce),
         Hello(PROTOCOL_VERSION, "sim-3 (node 7)", nonce, "ab" * 32),
-        Welcome(-1, "cd" * 32),
+        Welcome(-1, 65536, "cd" * 32),
+        Redirect("127.0.0.1", 4242, "ef" * 32),
         Refuse("why"),
         Ack(12),
         Done(-1),
@@ -159,15 +163,43 @@ def test_every_message_round_trips_and_samples_keep_their_bits() -> None:
         frame = encode_frame(message)
         assert int.from_bytes(frame[:4], "big") == len(frame) - 4
         assert decode_body(frame[4:]) == message
-    frame = encode_frame(SampleFrame("sim", 5, tensors_for(5)))
-    decoded = decode_body(frame[4:])
-    assert isinstance(decoded, SampleFrame)
-    assert (decoded.producer, decoded.seq) == ("sim", 5)
-    assert_sample(Sample("sim", 5, decoded.tensors), tensors_for(5))
-    # The header is readable JSON; the payload is safetensors, never a pickle.
+    frame = encode_frame(SamplesFrame("sim", 5, [tensors_for(5), tensors_for(6), tensors_for(7)]))
+    decoded = decode_body(bytearray(frame[4:]))
+    assert isinstance(decoded, SamplesFrame)
+    assert (decoded.producer, decoded.first_seq, decoded.last_seq) == ("sim", 5, 7)
+    for seq, tensors in enumerate(decoded.samples, start=5):
+        assert_sample(Sample("sim", seq, tensors), tensors_for(seq))
+    # The header is readable JSON, padded so that the payload starts 8-aligned; the payload is
+    # each sample's safetensors bytes (the reference parser reads them), never a pickle.
     header_length = int.from_bytes(frame[4:6], "big")
-    assert json.loads(frame[6 : 6 + header_length]) == {"type": "sample", "producer": "sim", "seq": 5}
-    assert safetensors.torch.load(frame[6 + header_length :]).keys() == tensors_for(5).keys()
+    assert (2 + header_length) % 8 == 0
+    header = json.loads(frame[6 : 6 + header_length])
+    assert header.keys() == {"type", "producer", "first_seq", "sizes"}
+    assert (header["type"], header["producer"], header["first_seq"]) == ("samples", "sim", 5)
+    offset = 6 + header_length
+    for seq, size in enumerate(header["sizes"], start=5):
+        assert offset % 8 == 4  # 8-aligned in the body, after the 4-byte length prefix
+        loaded = safetensors.torch.load(frame[offset : offset + size])
+        assert_sample(Sample("sim", seq, loaded), tensors_for(seq))
+        offset += size + (-size % 8)
+    assert offset == len(frame)
+
+
+def test_batched_tensors_are_views_of_the_frame_unless_small_beside_it() -> None:
+    big = [{"x": torch.full((4096,), float(seq))} for seq in range(3)]
+    body = bytearray(encode_frame(SamplesFrame("sim", 0, big))[4:])
+    decoded = decode_body(body)
+    assert isinstance(decoded, SamplesFrame)
+    base = torch.frombuffer(body, dtype=torch.uint8).data_ptr()
+    for seq, tensors in enumerate(decoded.samples):
+        assert torch.equal(tensors["x"], big[seq]["x"])
+        assert base <= tensors["x"].data_ptr() < base + len(body)  # no copy: a view of the body
+    body[-4:] = b"\x00\x00\x80\x7f"  # the views see the bytes they were decoded from
+    assert decoded.samples[2]["x"][-1].item() == math.inf
+    # A sample under 1/8 of its frame is copied out: a buffer keeping it does not keep the frame.
+    mixed = decode_body(bytearray(encode_frame(SamplesFrame("sim", 0, [{"s": torch.ones(2)}, *big]))[4:]))
+    assert isinstance(mixed, SamplesFrame)
+    assert mixed.samples[0]["s"].untyped_storage().nbytes() == 8
 
 
 def _body(header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -175,7 +207,28 @@ def _body(header: dict[str, Any], payload: bytes = b"") -> bytes:
     return len(raw).to_bytes(2, "big") + raw + payload
 
 
+def _samples(payloads: list[bytes], **fields: Any) -> bytes:
+    """A hand-made samples body: the header padded so the payload is 8-aligned, each payload padded."""
+    header = {
+        "type": "samples",
+        "producer": "p",
+        "first_seq": 0,
+        "sizes": [len(p) for p in payloads],
+        **fields,
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(2 + len(raw)) % 8)
+    return len(raw).to_bytes(2, "big") + raw + b"".join(p + bytes(-len(p) % 8) for p in payloads)
+
+
+def _safetensors(header: dict[str, Any], data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
 GOOD_PAYLOAD = encode_tensors({"x": torch.ones(2)})
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 BAD_BODIES = {
     "too short": (b"\x00", "too short"),
     "header longer than the body": (b"\x00\x40{}", "header announces 64 bytes"),
@@ -188,23 +241,55 @@ BAD_BODIES = {
     "a string for an int": (_body({"type": "ack", "upto_seq": "1"}), "upto_seq must be int"),
     "a float for an int": (_body({"type": "ack", "upto_seq": 1.0}), "upto_seq must be int"),
     "seq below -1": (_body({"type": "ack", "upto_seq": -2}), "upto_seq must be in [-1"),
-    "negative sample seq": (
-        _body({"type": "sample", "producer": "p", "seq": -1}, GOOD_PAYLOAD),
-        "seq must be in [0",
-    ),
+    "negative sample seq": (_samples([GOOD_PAYLOAD], first_seq=-1), "first_seq must be in [0"),
     "seq over 2**63-1": (_body({"type": "done", "last_seq": 2**63}), "last_seq must be in"),
     "a payload on an ack": (_body({"type": "ack", "upto_seq": 1}, b"xx"), "has no payload"),
     "tensors that are not safetensors": (
-        _body({"type": "sample", "producer": "p", "seq": 0}, b"\x08\x00\x00\x00\x00\x00\x00\x00{}"),
-        "tensors do not decode",
+        _samples([b"\x08\x00\x00\x00\x00\x00\x00\x00{}"]),
+        "tensors do not decode: the header announces 8 bytes",
     ),
-    "a sample without tensors": (
-        _body({"type": "sample", "producer": "p", "seq": 0}, safetensors.torch.save({})),
-        "holds no tensor",
+    "a sample without tensors": (_samples([safetensors.torch.save({})]), "holds no tensor"),
+    "an empty producer name": (_samples([GOOD_PAYLOAD], producer=""), "1 to 200 bytes"),
+    "no sizes": (_samples([]), "sizes lists 1 to 4096 samples, got 0"),
+    "a negative size": (_samples([GOOD_PAYLOAD], sizes=[-8]), "a size is not an int >= 0: -8"),
+    "a string size": (_samples([GOOD_PAYLOAD], sizes=["8"]), "a size is not an int >= 0: '8'"),
+    "sizes that do not add up": (
+        _samples([GOOD_PAYLOAD], sizes=[len(GOOD_PAYLOAD) + 8]),
+        f"make {len(GOOD_PAYLOAD) + 8 + (-len(GOOD_PAYLOAD) % 8)} bytes, the payload has",
     ),
-    "an empty producer name": (
-        _body({"type": "sample", "producer": "", "seq": 0}, GOOD_PAYLOAD),
-        "1 to 200 bytes",
+    "a payload not 8-aligned": (
+        _body(
+            {"type": "samples", "producer": "p", "first_seq": 0, "sizes": [len(GOOD_PAYLOAD)]}, GOOD_PAYLOAD
+        ),
+        "not 8-aligned",
+    ),
+    "an unknown dtype": (
+        _samples([_safetensors({"x": {**F32_2, "dtype": "F128"}}, bytes(8))]),
+        "unknown dtype 'F128'",
+    ),
+    "offsets that do not match the shape": (
+        _samples([_safetensors({"x": {**F32_2, "shape": [3]}}, bytes(8))]),
+        "data_offsets [0, 8] do not match shape [3]",
+    ),
+    "a hole between tensors": (
+        _samples([_safetensors({"x": F32_2, "y": {**F32_2, "data_offsets": [16, 24]}}, bytes(24))]),
+        "a hole or an overlap at byte 16",
+    ),
+    "overlapping tensors": (
+        _samples([_safetensors({"x": F32_2, "y": {**F32_2, "data_offsets": [4, 12]}}, bytes(12))]),
+        "a hole or an overlap at byte 4",
+    ),
+    "data after the last tensor": (
+        _samples([_safetensors({"x": F32_2}, bytes(16))]),
+        "cover 8 bytes of data, but 16 follow",
+    ),
+    "a malformed shape": (
+        _samples([_safetensors({"x": {**F32_2, "shape": [-2]}}, bytes(8))]),
+        "malformed shape [-2]",
+    ),
+    "an extra key in a tensor's entry": (
+        _samples([_safetensors({"x": {**F32_2, "more": 1}}, bytes(8))]),
+        "is not an object of ['data_offsets', 'dtype', 'shape']",
     ),
     "a control character in a name": (
         _body({"type": "hello", "protocol_version": 1, "producer": "a\nb", "nonce": "0" * 64, "proof": ""}),
@@ -227,13 +312,20 @@ def test_decoding_refuses_a_malformed_body_with_a_clear_reason(case: str) -> Non
 
 
 def test_the_decoder_splits_frames_anyhow_and_refuses_oversize_and_disorder_for_good() -> None:
-    frames = b"".join(sample_frame("p", seq, GOOD_PAYLOAD) for seq in range(5)) + encode_frame(Done(4))
-    decoder = FrameDecoder()
-    decoder.producer = "p"
-    got = [m for i in range(len(frames)) for m, _ in decoder.feed(frames[i : i + 1])]  # byte by byte
-    assert [m.seq for m in got if isinstance(m, SampleFrame)] == [0, 1, 2, 3, 4]
-    assert got[-1] == Done(4)
-    assert decoder.buffered == 0
+    frames = (
+        b"".join(sample_frame("p", seq, GOOD_PAYLOAD) for seq in range(3))
+        + samples_frame("p", 3, [GOOD_PAYLOAD] * 2)
+        + encode_frame(Done(4))
+    )
+    for step in (1, 7, len(frames)):  # byte by byte, in odd pieces, at once
+        decoder = FrameDecoder()
+        decoder.producer = "p"
+        got = [m for i in range(0, len(frames), step) for m, _ in decoder.feed(frames[i : i + step])]
+        batches = [m for m in got if isinstance(m, SamplesFrame)]
+        assert [(m.first_seq, len(m.samples)) for m in batches] == [(0, 1), (1, 1), (2, 1), (3, 2)]
+        assert all(torch.equal(t["x"], torch.ones(2)) for m in batches for t in m.samples)
+        assert got[-1] == Done(4)
+        assert decoder.buffered == 0
 
     small = FrameDecoder(max_frame_bytes=100)
     with pytest.raises(FrameError, match="announces 4000000000 bytes, over the limit of 100"):
@@ -244,12 +336,18 @@ def test_the_decoder_splits_frames_anyhow_and_refuses_oversize_and_disorder_for_
     for producer, seqs, reason in [
         ("p", [3, 3], "seq 3 after seq 3"),
         ("p", [4, 2], "seq 2 after seq 4"),
+        ("p", [4, 4], "seq 4 after seq 5"),  # a batch of 4 and 5, then 4 again
         ("q", [0], "a sample of producer 'q' on the connection of 'p'"),
     ]:
         decoder = FrameDecoder()
         decoder.producer = "p"
         with pytest.raises(FrameError, match=reason):
-            decoder.feed(b"".join(sample_frame(producer, seq, GOOD_PAYLOAD) for seq in seqs))
+            decoder.feed(
+                sample_frame(producer, seqs[0], GOOD_PAYLOAD)
+                if len(seqs) == 1
+                else samples_frame(producer, seqs[0], [GOOD_PAYLOAD] * (2 if seqs == [4, 4] else 1))
+                + sample_frame(producer, seqs[1], GOOD_PAYLOAD)
+            )
 
     with pytest.raises(FrameError, match="over the limit of 1024 bytes"):
         sample_frame("p", 0, bytes(2000), max_frame_bytes=1024)
@@ -265,8 +363,19 @@ def test_proofs_are_bound_to_the_token_the_nonces_and_their_role() -> None:
     assert proof != producer_proof(
         TOKEN, receiver_nonce=receiver_nonce, hello=attrs.evolve(hello, producer="x")
     )
-    back = receiver_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, acked_seq=7)
-    assert back not in {proof, receiver_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, acked_seq=8)}
+    back = receiver_proof(
+        TOKEN, receiver_nonce=receiver_nonce, hello=hello, acked_seq=7, max_frame_bytes=4096
+    )
+    assert back not in {
+        proof,
+        receiver_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, acked_seq=8, max_frame_bytes=4096),
+        receiver_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, acked_seq=7, max_frame_bytes=4097),
+    }
+    there = redirect_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, host="127.0.0.1", port=5)
+    assert there not in {
+        back,
+        redirect_proof(TOKEN, receiver_nonce=receiver_nonce, hello=hello, host="127.0.0.1", port=6),
+    }
     # The generic HMAC of the control channel, under a label of the stream's own.
     assert token_proof(TOKEN, b"a", b"b") != token_proof(TOKEN, b"ab")
 
@@ -474,7 +583,11 @@ async def _raw_handshake(port: int, name: str, token: bytes = TOKEN) -> tuple[Fr
     welcome = await conn.receive()
     assert isinstance(welcome, Welcome)
     assert welcome.proof == receiver_proof(
-        token, receiver_nonce=challenge.nonce, hello=hello, acked_seq=welcome.acked_seq
+        token,
+        receiver_nonce=challenge.nonce,
+        hello=hello,
+        acked_seq=welcome.acked_seq,
+        max_frame_bytes=welcome.max_frame_bytes,
     )
     return conn, welcome
 
@@ -571,7 +684,7 @@ def _after_handshake(frames: Callable[[], bytes]) -> Callable[[int], Awaitable[N
 
 
 def _malformed_sample() -> bytes:
-    body = _body({"type": "sample", "producer": "broken", "seq": 0}, b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    body = _samples([b"\x08\x00\x00\x00\x00\x00\x00\x00{}"], producer="broken")
     return len(body).to_bytes(4, "big") + body
 
 

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from collections.abc import Callable, Mapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -263,6 +263,44 @@ class StreamBuffer(abc.ABC):
         self._received += 1
         self._wake_readers()
         return True
+
+    def try_put_many(self, samples: Sequence[Sample]) -> int:
+        """Put ``samples`` in order while there is room: how many were taken (a prefix).
+
+        Exactly like :meth:`try_put` on each in turn until one finds the buffer full (the same
+        draws, the same state), but all checks come first: when it raises, nothing was taken.
+
+        Raises:
+            BufferClosedError: after :meth:`close` (and ``samples`` is not empty).
+            DuplicateSampleError: a sample's ``seq`` is not after the last one put (or listed
+                before it) from its producer.
+        """
+        owner = type(self).__name__
+        if samples and self._closed:
+            msg = f"{owner}: sample {samples[0].key} put after close(): the producers said they were done"
+            raise BufferClosedError(msg)
+        last: dict[str, int] = {}
+        for sample in samples:
+            previous = last.get(sample.producer, self._last_seq.get(sample.producer))
+            if previous is not None and sample.seq <= previous:
+                msg = (
+                    f"{owner}: sample {sample.key} refused: seq {sample.seq} is not after {previous}, the "
+                    f"last one put or listed before it from {sample.producer!r} (a resend the receiver "
+                    "should drop, or out of order)"
+                )
+                raise DuplicateSampleError(msg)
+            last[sample.producer] = sample.seq
+        taken = 0
+        for sample in samples:
+            if self._full():
+                break
+            self._insert(_Slot(sample))
+            self._last_seq[sample.producer] = sample.seq
+            self._received += 1
+            taken += 1
+        if taken:
+            self._wake_readers()
+        return taken
 
     def try_get(self) -> Sample | None:
         """Read a sample if one is readable now, else ``None`` (watermark not reached, or empty).

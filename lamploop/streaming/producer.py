@@ -6,7 +6,13 @@
 drops it reconnects with backoff, and the receiver's Welcome says which seq it holds up
 to: everything after it is resent, in order.  :class:`BlockingProducer` is the same for
 plain (synchronous) simulation codes: it runs an event loop on a thread of its own
-(:func:`anyio.from_thread.start_blocking_portal`).
+(:func:`anyio.from_thread.start_blocking_portal`).  Samples sent in a row leave in batches
+(one ``"samples"`` frame of up to 256 KiB, within the receiver's frame limit).
+
+A producer knows one address.  When the trainer has several ranks, the receiver there may
+answer with a :class:`~lamploop.streaming.wire.Redirect` to the rank's receiver assigned to
+this producer: the producer connects there and goes on (and comes back to the first address
+whenever the assigned one cannot be reached).
 
 A producer whose process was killed and restarted may simply start again from 0: the
 receiver drops every sample at or below what it already holds, by seq (the producer learns
@@ -25,7 +31,7 @@ import logging
 import ssl
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -42,9 +48,16 @@ from lamploop.control import _tls as tls
 from lamploop.control._settings import check_int, check_seconds
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
-from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError, StreamingError
+from lamploop.errors import (
+    ConfigurationError,
+    ControlChannelError,
+    FrameError,
+    HandshakeError,
+    StreamingError,
+)
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_SAMPLES_PER_FRAME,
     MAX_SEQ,
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -53,6 +66,7 @@ from lamploop.streaming.wire import (
     Done,
     FramedStream,
     Hello,
+    Redirect,
     Refuse,
     Welcome,
     check_producer_name,
@@ -61,7 +75,9 @@ from lamploop.streaming.wire import (
     encode_tensors,
     producer_proof,
     receiver_proof,
-    sample_frame,
+    redirect_proof,
+    samples_frame,
+    samples_frame_bytes,
 )
 
 __all__ = ["BLOCKING_AHEAD", "AsyncProducer", "BlockingProducer", "ProducerStats"]
@@ -69,6 +85,9 @@ __all__ = ["BLOCKING_AHEAD", "AsyncProducer", "BlockingProducer", "ProducerStats
 logger = logging.getLogger("lamploop.streaming")
 
 _WRITE_BATCH_BYTES = 256 * 1024
+"""A batch frame is cut at this many bytes of samples (a small multiple of a large sample, so
+that the receiver's zero-copy views of a frame do not pin much more than the sample)."""
+_HEADER_ROOM = 64 * 1024  # the most a batch's JSON header takes (sizes and a 200-byte name)
 
 BLOCKING_AHEAD = 32
 """How many samples a :class:`BlockingProducer`'s caller may hand over before the loop keeps them."""
@@ -108,6 +127,14 @@ class _Signal:
 
 class _Retry(Exception):
     """The connection was lost or could not be made; try again (internal)."""
+
+
+class _Redirected(Exception):
+    """The receiver sent this producer to another one (internal)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"{host}:{port}")
+        self.address = (host, port)
 
 
 @attrs.define
@@ -181,8 +208,9 @@ class AsyncProducer:
             reconnect_timeout=reconnect_timeout, handshake_timeout=handshake_timeout, ack_timeout=ack_timeout
         )
         self.name = name
-        self._host, self._port = address
-        self._receiver = f"the receiver at {self._host}:{self._port}"
+        self._root = address  # the one address known; redirects lead elsewhere
+        self._host, self._port = address  # where the next connection goes
+        self._receiver_limit = max_frame_bytes  # the smaller of ours and the receiver's Welcome's
         self._window = resend_window
         self._keep_acknowledged = keep_acknowledged
         self._max_frame_bytes = max_frame_bytes
@@ -194,7 +222,7 @@ class AsyncProducer:
         self._changed = _Signal()
         self._send_lock = anyio.Lock()
         self._queued = 0  # senders waiting for room in the window
-        # (seq, frame), contiguous seqs: the acknowledged ones kept, then the unacknowledged ones
+        # (seq, payload), contiguous seqs: the acknowledged ones kept, then the unacknowledged ones
         self._frames: deque[tuple[int, bytes]] = deque()
         self._next_seq = start_seq
         self._acked = start_seq - 1
@@ -228,6 +256,15 @@ class AsyncProducer:
         """What was sent so far."""
         return ProducerStats(self._sent, self._resent, self._skipped, self._connections)
 
+    @property
+    def receiver_address(self) -> tuple[str, int]:
+        """Where the producer connects now: the address it was given, or the one a redirect named."""
+        return (self._host, self._port)
+
+    @property
+    def _receiver(self) -> str:
+        return f"the receiver at {self._host}:{self._port}"
+
     # -- sending --
 
     async def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -241,21 +278,23 @@ class AsyncProducer:
             FrameError: the sample's frame would be over ``max_frame_bytes``.
             StreamingError: the producer failed (see the class), is done, or is not entered.
         """
-        return await self._send_payload(encode_tensors(tensors))
+        return await self._submit(encode_tensors(tensors))
 
-    async def _send_payload(self, payload: bytes) -> int:
-        return await self._submit(
-            lambda seq: sample_frame(self.name, seq, payload, max_frame_bytes=self._max_frame_bytes)
-        )
+    def _check_size(self, seq: int, payload: bytes) -> None:
+        """Raise FrameError if the frame of ``payload`` alone would be over ``max_frame_bytes``."""
+        size = samples_frame_bytes(self.name, seq, [len(payload)]) - 4
+        if size > self._max_frame_bytes:
+            msg = f"a samples frame of {size} bytes is over the limit of {self._max_frame_bytes} bytes"
+            raise FrameError(msg)
 
-    async def _submit(self, frame_for: Callable[[int], bytes]) -> int:
-        """Keep the frame ``frame_for(seq)`` of the next seq once the window has room; the seq."""
+    async def _submit(self, payload: bytes, expected_seq: int | None = None) -> int:
+        """Keep ``payload`` as the next seq's sample once the window has room; the seq."""
         self._check_open("send()")
         if self._queued == 0 and self._has_room():
             # Kept without switching tasks, so that samples sent in a row leave in one write
             # when the caller next waits (or the window fills).
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._keep(frame_for)
+            return self._keep(payload, expected_seq)
         self._queued += 1  # no sender overtakes this one by the path above
         try:
             async with self._send_lock:
@@ -264,29 +303,32 @@ class AsyncProducer:
                         self._sup.raise_failure()
                         await self._changed.wait()
                 self._check_open("send()")
-                return self._keep(frame_for)
+                return self._keep(payload, expected_seq)
         finally:
             self._queued -= 1
 
     def _has_room(self) -> bool:
         return self._next_seq <= self._acked or self.unacknowledged < self._window
 
-    def _keep(self, frame_for: Callable[[int], bytes]) -> int:
-        """Number the sample and keep its frame for the writer (or skip it if the receiver holds it)."""
+    def _keep(self, payload: bytes, expected_seq: int | None) -> int:
+        """Number the sample and keep it for the writer (or skip it if the receiver holds it)."""
         seq = self._next_seq
+        if expected_seq is not None and expected_seq != seq:  # only after an earlier send failed
+            msg = f"producer {self.name!r}: sample {expected_seq} would go out as {seq}"
+            raise StreamingError(msg)
+        self._check_size(seq, payload)  # raises FrameError over the limit: the seq is not taken
         if seq <= self._acked:  # the receiver holds it already (a restarted producer)
             if self._keep_acknowledged:
                 # Kept like any acknowledged sample, so that the kept seqs stay contiguous (the
                 # writer finds a seq at its offset from the first) and a receiver restored from
                 # an older state can get it again.
-                self._frames.append((seq, frame_for(seq)))
+                self._frames.append((seq, payload))
                 self._trim()
             self._next_seq += 1
             self._skipped += 1
             return seq
-        frame = frame_for(seq)  # raises FrameError over the limit: the seq is not taken
         self._next_seq += 1
-        self._frames.append((seq, frame))
+        self._frames.append((seq, payload))
         self._changed.notify()
         return seq
 
@@ -385,8 +427,19 @@ class AsyncProducer:
                 if not progress and not self._finished:
                     await anyio.sleep(delay)
                 continue
+            except _Redirected as redirect:
+                if (self._host, self._port) != self._root:
+                    error = f"{self._receiver} redirected this producer again, to {redirect}"
+                    self._host, self._port = self._root
+                else:  # at the root: on to the assigned receiver at once
+                    logger.info("producer %r: redirected to %s", self.name, redirect)
+                    self._host, self._port = redirect.address
+                    continue
             except _Retry as exc:
                 error = str(exc)
+                # The assigned receiver is unreachable or gone: ask the root again (it may have
+                # restarted, with the same assignment at another address).
+                self._host, self._port = self._root
             attempts += 1
             now = anyio.current_time()
             failing_since = now if failing_since is None else failing_since
@@ -412,7 +465,9 @@ class AsyncProducer:
         """The producer's side of the handshake; the receiver's welcome.
 
         Raises:
-            HandshakeError: the receiver refused this producer, or did not prove the token.
+            HandshakeError: the receiver refused this producer, did not prove the token, or
+                speaks another protocol version.
+            _Redirected: the receiver sent this producer to another receiver.
             _Retry: the connection failed, or the receiver did not answer in time.
         """
         try:
@@ -423,6 +478,12 @@ class AsyncProducer:
                 if not isinstance(challenge, Challenge):
                     what = "closed" if challenge is None else f"sent {type(challenge).__name__}"
                     raise _Retry(f"{self._receiver} {what} instead of a challenge")
+                if challenge.protocol_version != PROTOCOL_VERSION:
+                    msg = (
+                        f"producer {self.name!r}: {self._receiver} speaks streaming protocol version "
+                        f"{challenge.protocol_version}, this producer speaks version {PROTOCOL_VERSION}"
+                    )
+                    raise HandshakeError(msg)
                 hello = Hello(PROTOCOL_VERSION, self.name, new_nonce(), proof="")
                 proof = producer_proof(self._token, receiver_nonce=challenge.nonce, hello=hello)
                 hello = attrs.evolve(hello, proof=proof)
@@ -438,11 +499,25 @@ class AsyncProducer:
         if isinstance(reply, Refuse):
             msg = f"producer {self.name!r} refused by {self._receiver}: {reply.reason}"
             raise HandshakeError(msg)
+        if isinstance(reply, Redirect):
+            expected = redirect_proof(
+                self._token, receiver_nonce=challenge.nonce, hello=hello, host=reply.host, port=reply.port
+            )
+            if not proof_matches(expected, reply.proof):
+                msg = (
+                    f"producer {self.name!r}: {self._receiver} redirected it without proving the shared token"
+                )
+                raise HandshakeError(msg)
+            raise _Redirected(reply.host, reply.port)
         if not isinstance(reply, Welcome):
             what = "closed the connection" if reply is None else f"sent {type(reply).__name__}"
             raise _Retry(f"{self._receiver} {what} instead of answering the hello")
         expected = receiver_proof(
-            self._token, receiver_nonce=challenge.nonce, hello=hello, acked_seq=reply.acked_seq
+            self._token,
+            receiver_nonce=challenge.nonce,
+            hello=hello,
+            acked_seq=reply.acked_seq,
+            max_frame_bytes=reply.max_frame_bytes,
         )
         if not proof_matches(expected, reply.proof):
             msg = f"producer {self.name!r}: {self._receiver} did not prove the shared token (another token?)"
@@ -493,6 +568,7 @@ class AsyncProducer:
         Returns whether the receiver acknowledged anything new on it.
         """
         self._take_welcome(welcome.acked_seq)
+        self._receiver_limit = min(self._max_frame_bytes, welcome.max_frame_bytes)
         acked_before = self._acked
         conn.decoder.max_frame_bytes = PREAUTH_FRAME_BYTES  # the receiver sends only small frames
         logger.info("producer %r connected to %s (holds up to %d)", self.name, self._receiver, self._acked)
@@ -506,6 +582,8 @@ class AsyncProducer:
                     await self._write(conn, session)
                 except _Retry as exc:
                     lost.append(str(exc))
+                except ControlChannelError as exc:  # a sample the receiver can never take
+                    refused.append(exc)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(write)
@@ -522,25 +600,42 @@ class AsyncProducer:
             logger.info("producer %r: lost the connection (%s); reconnecting", self.name, lost[0])
         return self._acked > acked_before or self._finished
 
+    def _batch(self, after: int) -> tuple[int, bytes] | None:
+        """The frame of the kept samples after seq ``after`` (up to a batch's bytes), and how
+        many it holds; ``None`` if there is none."""
+        if not self._frames:
+            return None
+        first = self._frames[0][0]
+        start = max(after + 1 - first, 0)
+        limit = min(_WRITE_BATCH_BYTES, self._receiver_limit - _HEADER_ROOM)
+        payloads: list[bytes] = []
+        size = 0
+        for index in range(start, min(len(self._frames), start + MAX_SAMPLES_PER_FRAME)):
+            payload = self._frames[index][1]
+            if payloads and size + len(payload) > limit:
+                break
+            payloads.append(payload)
+            size += len(payload) + 8
+        if not payloads:
+            return None
+        try:
+            frame = samples_frame(self.name, first + start, payloads, max_frame_bytes=self._receiver_limit)
+        except FrameError as exc:  # one sample over the receiver's limit (under ours: send() took it)
+            msg = f"producer {self.name!r}: sample {first + start} cannot be sent to {self._receiver}: {exc}"
+            raise StreamingError(msg) from exc
+        return len(payloads), frame
+
     async def _write(self, conn: FramedStream, session: _Session) -> None:
         while True:
             session.sent = max(session.sent, self._acked)
-            batch: list[bytes] = []
-            size = 0
-            if self._frames:
-                first = self._frames[0][0]
-                for index in range(max(session.sent + 1 - first, 0), len(self._frames)):
-                    frame = self._frames[index][1]
-                    batch.append(frame)
-                    size += len(frame)
-                    if size >= _WRITE_BATCH_BYTES:
-                        break
-            if batch:
-                await self._send(conn, b"".join(batch) if len(batch) > 1 else batch[0])
-                upto = session.sent + len(batch)
+            batch = self._batch(session.sent)
+            if batch is not None:
+                count, frame = batch
+                await self._send(conn, frame)
+                upto = session.sent + count
                 resent = max(min(upto, self._highest_sent) - session.sent, 0)
                 self._resent += resent
-                self._sent += len(batch) - resent
+                self._sent += count - resent
                 self._highest_sent = max(self._highest_sent, upto)
                 session.sent = upto
                 continue
@@ -704,18 +799,9 @@ class BlockingProducer:
         portal = self._portal_or_fail("send()")
         self._settle(BLOCKING_AHEAD)  # raises a failure met meanwhile
         seq = self._next_seq
-        # Encoded on this thread, in parallel with the loop's work.
-        frame = sample_frame(
-            self.name, seq, encode_tensors(tensors), max_frame_bytes=self._producer._max_frame_bytes
-        )
-
-        def frame_for(actual: int) -> bytes:
-            if actual != seq:  # only after an earlier send failed
-                msg = f"producer {self.name!r}: sample {seq} would go out as {actual}"
-                raise StreamingError(msg)
-            return frame
-
-        self._handed.append(portal.start_task_soon(self._producer._submit, frame_for))
+        payload = encode_tensors(tensors)  # on this thread, in parallel with the loop's work
+        self._producer._check_size(seq, payload)
+        self._handed.append(portal.start_task_soon(self._producer._submit, payload, seq))
         self._next_seq += 1
         return seq
 

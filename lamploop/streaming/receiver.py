@@ -13,6 +13,19 @@ buffer it describes) and give it back as ``acknowledged=`` after a restart: prod
 resend only what the restored state lacks.  A sample at or below it is a duplicate and is
 dropped (counted); one beyond the next seq would leave a gap and is refused.
 
+Samples come in batches (one ``"samples"`` frame holds several consecutive samples of one
+producer); their tensors are views of the received bytes, not copies.  A buffer's
+``try_put_many`` takes a batch in one step when it has room (any other sink gets one ``put``
+per sample), and one cumulative acknowledgement answers a frame, or several when more are
+already waiting, and at the latest ``ack_every`` samples or 5 ms after a put.
+
+With several ranks (one receiver each), the root rank's receiver hands out the producers:
+:meth:`SampleReceiver.set_directory` gives it every rank's receiver address, and from then on
+it answers each producer's hello with a redirect to the receiver assigned to it
+(:mod:`lamploop.streaming.directory`: round-robin by first arrival, sticky), unless it is its
+own.  :attr:`SampleReceiver.directory_assignments` goes into the checkpoint, and
+``directory_assignments=`` gives it back on resume.
+
 Strangers (bytes before the challenge, garbage, frames over the limit, a wrong token,
 silence past ``handshake_timeout``) and producers that break the protocol are refused:
 closed, counted in :attr:`SampleReceiver.refusals`, logged (a few lines per window), and
@@ -28,7 +41,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 
 import anyio
@@ -43,6 +56,7 @@ from lamploop.control._strangers import PendingHandshakes, RefusalLog, spoke_fir
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
 from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
+from lamploop.streaming.directory import ProducerDirectory
 from lamploop.streaming.sample import Sample, SampleSink
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -54,14 +68,16 @@ from lamploop.streaming.wire import (
     Done,
     FramedStream,
     Hello,
+    Redirect,
     Refuse,
-    SampleFrame,
+    SamplesFrame,
     Welcome,
     check_producer_name,
     check_token,
     encode_frame,
     producer_proof,
     receiver_proof,
+    redirect_proof,
 )
 
 __all__ = ["IngestStats", "SampleReceiver"]
@@ -149,6 +165,9 @@ class SampleReceiver:
         max_pending_handshakes: connections handshaking at once; one more drops the oldest.
         ssl_context: TLS for every connection (a server context with the receiver's
             certificate), before the token handshake; ``None``: no TLS.
+        directory_assignments: the root's producer assignments from a checkpoint
+            (:attr:`directory_assignments`); producers then wait (each hello up to
+            ``handshake_timeout``, then they retry) until :meth:`set_directory` is called.
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -170,6 +189,7 @@ class SampleReceiver:
         ack_every: int = 64,
         max_pending_handshakes: int = 64,
         ssl_context: ssl.SSLContext | None = None,
+        directory_assignments: Mapping[str, int] | None = None,
     ) -> None:
         if not callable(getattr(sink, "put", None)):
             msg = f"sink must have an async put(sample) (a SampleSink), got {type(sink).__name__}"
@@ -192,6 +212,12 @@ class SampleReceiver:
             else frozenset(_check_name("expected_producers", name) for name in expected_producers)
         )
         self._sink = sink
+        try_put_many = getattr(sink, "try_put_many", None)
+        self._try_put_many: Callable[[Sequence[Sample]], int] | None = (
+            try_put_many if callable(try_put_many) else None
+        )
+        self._directory = ProducerDirectory(directory_assignments)
+        self._directory_set = anyio.Event()
         self._host, self._port = host, port
         self._max_frame_bytes = max_frame_bytes
         self._handshake_timeout = handshake_timeout
@@ -222,6 +248,39 @@ class SampleReceiver:
     def acknowledged(self) -> dict[str, int]:
         """Per producer, the highest seq in the sink with every one before it (a copy: checkpoint it)."""
         return dict(self._acked)
+
+    @property
+    def directory_assignments(self) -> dict[str, int]:
+        """Producer name -> rank index, as handed out so far (a copy, JSON-ready: checkpoint it on
+        the root rank and give it back as ``directory_assignments=``)."""
+        return self._directory.assignments
+
+    def set_directory(self, addresses: Sequence[tuple[str, int]], *, own_index: int = 0) -> None:
+        """Hand producers out over every rank's receiver, this one being ``addresses[own_index]``.
+
+        Call it on the root rank's receiver, once every rank's receiver listens (their
+        :attr:`address`, gathered in rank order).  From then on a producer's hello is answered
+        with a :class:`~lamploop.streaming.wire.Redirect` to its assigned receiver, or welcomed
+        when that is this one.  Producers this receiver took before the call stay with it.  With
+        one address, every producer stays here.
+
+        Raises:
+            ConfigurationError: ``addresses`` is empty or malformed, ``own_index`` is out of
+                range or its address's port is not this receiver's, it was called before, or
+                a restored assignment names a rank beyond ``addresses``.
+        """
+        if self._address is not None and 0 <= own_index < len(addresses):
+            mine = addresses[own_index]
+            if isinstance(mine, tuple | list) and len(mine) == 2 and mine[1] != self._address[1]:
+                msg = (
+                    f"set_directory: addresses[{own_index}] is {mine!r:.80}, but this receiver "
+                    f"listens on port {self._address[1]}"
+                )
+                raise ConfigurationError(msg)
+        served = set(self._acked) | self._done | set(self._active)
+        self._directory.set_addresses(addresses, own_index=own_index, served=served)
+        self._directory_set.set()
+        logger.info("sample receiver: producers handed out over %d receivers", len(addresses))
 
     @property
     def producers_done(self) -> frozenset[str]:
@@ -348,6 +407,8 @@ class SampleReceiver:
                 if exc.reply:
                     await conn.send_best_effort(Refuse(str(exc)))
                 return
+            if await self._redirected(conn, hello, nonce):
+                return
             try:
                 async with self._claim(hello.producer):
                     await self._serve_producer(conn, hello, nonce)
@@ -392,6 +453,29 @@ class SampleReceiver:
             raise _Stranger(msg, reply=True)
         return message, nonce
 
+    async def _redirected(self, conn: FramedStream, hello: Hello, nonce: str) -> bool:
+        """Send the producer to its assigned receiver if that is another one; whether it was sent
+        (or, restored assignments waiting for the directory, dropped to retry)."""
+        if self._directory.restored:
+            with anyio.move_on_after(self._handshake_timeout):
+                await self._directory_set.wait()
+            if not self._directory.ready:
+                logger.info("producer %r: the directory is not set yet; it will retry", hello.producer)
+                return True
+        target = self._directory.assign(hello.producer)
+        if target is None:
+            return False
+        host, port = target
+        proof = redirect_proof(self._token, receiver_nonce=nonce, hello=hello, host=host, port=port)
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                await conn.send(encode_frame(Redirect(host, port, proof)))
+        except (TimeoutError, ControlChannelError) as exc:
+            logger.info("producer %r (%s) is gone before its redirect: %s", hello.producer, conn.peer, exc)
+            return True
+        logger.info("producer %r (%s) redirected to %s:%d", hello.producer, conn.peer, host, port)
+        return True
+
     @contextlib.asynccontextmanager
     async def _claim(self, name: str) -> AsyncIterator[None]:
         """Serve ``name`` on this connection alone: an older one of the same producer is cancelled.
@@ -419,12 +503,15 @@ class SampleReceiver:
     async def _serve_producer(self, conn: FramedStream, hello: Hello, nonce: str) -> None:
         name = hello.producer
         acked = self._acked.get(name, -1)
-        proof = receiver_proof(self._token, receiver_nonce=nonce, hello=hello, acked_seq=acked)
-        conn.decoder.max_frame_bytes = self._max_frame_bytes
+        limit = self._max_frame_bytes
+        proof = receiver_proof(
+            self._token, receiver_nonce=nonce, hello=hello, acked_seq=acked, max_frame_bytes=limit
+        )
+        conn.decoder.max_frame_bytes = limit
         conn.decoder.producer = name
         try:
             with anyio.fail_after(self._idle_timeout):
-                await conn.send(encode_frame(Welcome(acked, proof)))
+                await conn.send(encode_frame(Welcome(acked, limit, proof)))
         except (TimeoutError, ControlChannelError) as exc:
             logger.info("producer %r (%s) is gone before its welcome: %s", name, conn.peer, exc)
             return
@@ -466,18 +553,18 @@ class SampleReceiver:
                 logger.debug("producer %r (%s) closed its connection", name, conn.peer)
                 return None
             acked = self._acked.get(name, -1)
-            if isinstance(message, SampleFrame):
+            if isinstance(message, SamplesFrame):
                 if done:
-                    return f"sample seq {message.seq} after Done"
-                if message.seq > acked + 1:
-                    return f"sample seq {message.seq} leaves a gap: the receiver holds up to {acked}"
-                if message.seq <= acked:
-                    self._duplicates += 1
-                elif await self._put(Sample(name, message.seq, message.tensors), conn.last_frame_bytes):
-                    acks.wake.set()  # acknowledged soon, even if the next put waits long
-                else:
+                    return f"sample seq {message.first_seq} after Done"
+                if message.first_seq > acked + 1:
+                    return f"sample seq {message.first_seq} leaves a gap: the receiver holds up to {acked}"
+                held = acked + 1 - message.first_seq  # resent samples the receiver holds: dropped
+                if held > 0:
+                    self._duplicates += min(held, len(message.samples))
+                size, count = conn.last_frame_bytes, len(message.samples)
+                if held < count and not await self._put_batch(name, message, held, size, acks):
                     return None
-                since_ack += 1
+                since_ack += len(message.samples)
                 if since_ack >= self._ack_every or not conn.has_pending:  # a batch, or the stream is idle
                     if not await self._ack(conn, name, acks, force=True):
                         return None
@@ -523,22 +610,39 @@ class SampleReceiver:
                 return False
             return True
 
-    async def _put(self, sample: Sample, nbytes: int) -> bool:
-        """Put ``sample`` into the sink and count it; ``False`` if the sink failed (the receiver fails)."""
-        started = time.perf_counter()
-        try:
-            await self._sink.put(sample)
-        except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
-            error = StreamingError(f"the sink's put failed for sample {sample.key}: {explain(exc)}")
-            error.__cause__ = exc
-            self._sup.fail(error)
-            return False
-        elapsed = time.perf_counter() - started
-        self._acked[sample.producer] = sample.seq
-        self._samples += 1
-        self._bytes += nbytes
-        self._put_seconds += elapsed
-        self._max_put_seconds = max(self._max_put_seconds, elapsed)
+    async def _put_batch(self, name: str, batch: SamplesFrame, skip: int, nbytes: int, acks: _Acks) -> bool:
+        """Put the batch's samples from index ``skip`` on into the sink, in order, and count them;
+        ``False`` if the sink failed (the receiver fails).
+
+        A sink with ``try_put_many`` (a buffer) takes what it has room for in one synchronous
+        step; a sample it has no room for goes through ``put`` (which waits), then the rest again.
+        """
+        first = batch.first_seq
+        samples = [Sample(name, first + i, batch.samples[i]) for i in range(max(skip, 0), len(batch.samples))]
+        share = nbytes / len(batch.samples)
+        done = 0
+        while done < len(samples):
+            started = time.perf_counter()
+            try:
+                if self._try_put_many is not None and (taken := self._try_put_many(samples[done:])):
+                    pass
+                else:
+                    await self._sink.put(samples[done])
+                    taken = 1
+            except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
+                key = samples[done].key
+                error = StreamingError(f"the sink's put failed for sample {key}: {explain(exc)}")
+                error.__cause__ = exc
+                self._sup.fail(error)
+                return False
+            elapsed = time.perf_counter() - started
+            done += taken
+            self._acked[name] = samples[done - 1].seq
+            self._samples += taken
+            self._bytes += round(share * taken)
+            self._put_seconds += elapsed
+            self._max_put_seconds = max(self._max_put_seconds, elapsed)
+            acks.wake.set()  # acknowledged soon, even if the next put waits long
         return True
 
 

@@ -3,34 +3,47 @@
 A frame is a 4-byte big-endian length (as on the control channel, :mod:`lamploop.control.wire`)
 followed by that many bytes of body.  A body is a 2-byte big-endian length, that many bytes
 of UTF-8 JSON (the *header*: an object whose ``"type"`` names the message and whose other
-fields are its attributes), then the *payload*: empty for every message but a sample, whose
-payload is its tensors as :func:`safetensors.torch.save` writes them.  Nothing is ever
-unpickled.  ::
+fields are its attributes), then the *payload*: empty for every message but a batch of
+samples, whose payload is each sample's tensors as safetensors bytes
+(:mod:`lamploop.streaming.tensor_bytes`), one after the other, each starting 8-aligned
+(zero bytes pad the previous one; the header is padded with spaces so that the payload
+starts 8-aligned in the body).  Nothing is ever unpickled.  ::
 
-    frame  = u32 body length | body
-    body   = u16 header length | header (JSON object) | payload
-    sample = {"type":"sample","producer":"sim-3","seq":17} + safetensors bytes
+    frame   = u32 body length | body
+    body    = u16 header length | header (JSON object) | payload
+    samples = {"type":"samples","producer":"sim-3","first_seq":17,"sizes":[65672,65672]}
+              + safetensors bytes of seq 17 | pad to 8 | safetensors bytes of seq 18 | pad to 8
 
 The messages (the header's ``"type"`` in brackets):
 
-===========  =================  ==========================================================
-message      direction          meaning
-===========  =================  ==========================================================
-Challenge    receiver→producer  first frame: the receiver's protocol version and nonce
-Hello        producer→receiver  its name, protocol version, nonce, proof of the token
-Welcome      receiver→producer  accepted; ``acked_seq`` held already; the receiver's proof
-Refuse       receiver→producer  not accepted, or a bad frame: why; then the receiver closes
-SampleFrame  producer→receiver  ["sample"] one sample: producer, seq; tensors as payload
-Ack          receiver→producer  every seq up to ``upto_seq`` is in the sink (cumulative)
-Done         producer→receiver  finished: its last seq is ``last_seq``
-Done         receiver→producer  the answer: Done recorded, it holds up to ``last_seq``
-===========  =================  ==========================================================
+============  =================  ==========================================================
+message       direction          meaning
+============  =================  ==========================================================
+Challenge     receiver→producer  first frame: the receiver's protocol version and nonce
+Hello         producer→receiver  its name, protocol version, nonce, proof of the token
+Welcome       receiver→producer  accepted; ``acked_seq`` held already, the largest frame
+                                 it takes; the receiver's proof
+Redirect      receiver→producer  go to the receiver at ``host:port`` (same token); with proof
+Refuse        receiver→producer  not accepted, or a bad frame: why; then the receiver closes
+SamplesFrame  producer→receiver  ["samples"] consecutive samples ``first_seq``, ``first_seq``
+                                 + 1, ... of one producer; their tensors as payload
+Ack           receiver→producer  every seq up to ``upto_seq`` is in the sink (cumulative)
+Done          producer→receiver  finished: its last seq is ``last_seq``
+Done          receiver→producer  the answer: Done recorded, it holds up to ``last_seq``
+============  =================  ==========================================================
+
+Version 2 (this one) replaced version 1's one-sample ``"sample"`` frames by ``"samples"``
+batches, and added ``max_frame_bytes`` to the Welcome and the Redirect message; a producer
+or receiver of another version is refused with both versions named.
 
 Decoding is strict: unknown types, missing or extra fields, a string where an integer
-belongs, an integer out of range, a payload on a message that has none, tensors that do not
-decode are all :class:`~lamploop.errors.FrameError`; a :class:`FrameDecoder` also refuses a
-frame over its size limit at the 4-byte header (before buffering the body), and, on a
-producer's connection, a sample of another producer or a seq that does not increase.
+belongs, an integer out of range, a payload on a message that has none, sizes that do not
+match the payload, tensors that do not decode are all :class:`~lamploop.errors.FrameError`;
+a :class:`FrameDecoder` also refuses a frame over its size limit at the 4-byte header
+(before buffering the body), and, on a producer's connection, a sample of another producer
+or a seq that does not increase.  Decoded tensors are views of the frame's bytes, without a
+copy, except for samples much smaller than their frame (copied out, so that one sample kept
+long in a buffer does not hold a whole frame's memory).
 
 The proofs reuse the control channel's HMAC (:func:`lamploop.control.wire.token_proof`) with
 labels of their own, so a proof of one kind is never accepted as another.
@@ -44,22 +57,23 @@ import json
 import logging
 import struct
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
 import anyio
 import anyio.abc
 import attrs
-import safetensors.torch
 import torch
 
 from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
 from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
+from lamploop.streaming.tensor_bytes import decode_tensors, encode_tensors
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "MAX_PRODUCER_NAME_BYTES",
+    "MAX_SAMPLES_PER_FRAME",
     "MAX_SEQ",
     "PREAUTH_FRAME_BYTES",
     "PROTOCOL_VERSION",
@@ -70,8 +84,9 @@ __all__ = [
     "FramedStream",
     "Hello",
     "Message",
+    "Redirect",
     "Refuse",
-    "SampleFrame",
+    "SamplesFrame",
     "Welcome",
     "check_producer_name",
     "check_token",
@@ -81,16 +96,19 @@ __all__ = [
     "encode_tensors",
     "producer_proof",
     "receiver_proof",
+    "redirect_proof",
     "sample_frame",
+    "samples_frame",
+    "samples_frame_bytes",
 ]
 
 logger = logging.getLogger("lamploop.streaming")
 
-PROTOCOL_VERSION: Final = 1
-"""The streaming protocol version; producers that speak another one are refused."""
+PROTOCOL_VERSION: Final = 2
+"""The streaming protocol version; producers and receivers that speak another one are refused."""
 
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
-"""Default limit on a frame's body (a sample's tensors and its header): 64 MiB."""
+"""Default limit on a frame's body (a batch of samples' tensors and its header): 64 MiB."""
 
 PREAUTH_FRAME_BYTES: Final = 4096
 """The largest frame accepted before the peer proved the token (a hello is about 300 bytes)."""
@@ -101,9 +119,16 @@ MAX_PRODUCER_NAME_BYTES: Final = 200
 MAX_SEQ: Final = 2**63 - 1
 """The largest sequence number (they are counted from 0)."""
 
+MAX_SAMPLES_PER_FRAME: Final = 4096
+"""The most samples one ``"samples"`` frame carries (its header lists their sizes)."""
+
 _FRAME_HEADER = struct.Struct(">I")
 _JSON_HEADER = struct.Struct(">H")
 _PROOF_CHARS = 128
+_ALIGN = 8
+_PADDING = bytes(_ALIGN)
+_COPY_BELOW_SHARE = 8
+"""A sample under 1/8 of its frame's body is copied out of the frame, not viewed in it."""
 
 
 def check_producer_name(value: object) -> str | None:
@@ -157,6 +182,33 @@ def _short(_instance: object, attribute: attrs.Attribute[str], value: str) -> No
         raise ValueError(msg)
 
 
+def _frame_limit(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not PREAUTH_FRAME_BYTES <= value <= 0xFFFFFFFF:
+        msg = f"{attribute.name} must be in [{PREAUTH_FRAME_BYTES}, 2**32-1], got {value}"
+        raise ValueError(msg)
+
+
+def _host(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not 1 <= len(value) <= 255 or not value.isprintable() or " " in value:
+        msg = f"{attribute.name} must be a host name or address (1 to 255 characters), got {value!r:.80}"
+        raise ValueError(msg)
+
+
+def _port(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 1 <= value <= 65535:
+        msg = f"{attribute.name} must be in [1, 65535], got {value}"
+        raise ValueError(msg)
+
+
+def _samples(instance: SamplesFrame, attribute: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+    if not 1 <= len(value) <= MAX_SAMPLES_PER_FRAME:
+        msg = f"a samples frame holds 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(value)}"
+        raise ValueError(msg)
+    if instance.first_seq + len(value) - 1 > MAX_SEQ:
+        msg = f"seqs {instance.first_seq}.. of {len(value)} samples go past 2**63-1"
+        raise ValueError(msg)
+
+
 @attrs.frozen
 class Challenge:
     """Receiver → producer, first frame on every connection: its protocol version and nonce."""
@@ -183,11 +235,24 @@ class Welcome:
     """Receiver → producer: accepted.
 
     ``acked_seq`` is the highest seq of this producer the receiver holds with every one
-    before it (-1: none), so the producer resends from ``acked_seq + 1``; ``proof``
-    (:func:`receiver_proof`) shows the receiver knows the token too.
+    before it (-1: none), so the producer resends from ``acked_seq + 1``;
+    ``max_frame_bytes`` is the largest frame the receiver takes (the producer's batches stay
+    under it); ``proof`` (:func:`receiver_proof`) shows the receiver knows the token too.
     """
 
     acked_seq: int = attrs.field(validator=_seq_or_none)
+    max_frame_bytes: int = attrs.field(validator=_frame_limit)
+    proof: str = attrs.field(validator=_short)
+
+
+@attrs.frozen
+class Redirect:
+    """Receiver → producer, instead of a Welcome: this producer is served by the receiver at
+    ``host:port``; connect there (same token).  ``proof`` is :func:`redirect_proof`.
+    """
+
+    host: str = attrs.field(validator=_host)
+    port: int = attrs.field(validator=_port)
     proof: str = attrs.field(validator=_short)
 
 
@@ -199,12 +264,22 @@ class Refuse:
 
 
 @attrs.frozen
-class SampleFrame:
-    """Producer → receiver: one sample (its tensors travel as the frame's safetensors payload)."""
+class SamplesFrame:
+    """Producer → receiver: samples ``first_seq``, ``first_seq + 1``, ... of ``producer``.
+
+    Each sample's tensors travel as safetensors bytes in the frame's payload.
+    """
 
     producer: str = attrs.field(validator=_name)
-    seq: int = attrs.field(validator=_seq)
-    tensors: Mapping[str, torch.Tensor] = attrs.field(eq=False, repr=False)
+    first_seq: int = attrs.field(validator=_seq)
+    samples: tuple[Mapping[str, torch.Tensor], ...] = attrs.field(
+        converter=tuple, validator=_samples, eq=False, repr=False
+    )
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the frame's last sample."""
+        return self.first_seq + len(self.samples) - 1
 
 
 @attrs.frozen
@@ -226,85 +301,43 @@ class Done:
     last_seq: int = attrs.field(validator=_seq_or_none)
 
 
-Message: TypeAlias = Challenge | Hello | Welcome | Refuse | SampleFrame | Ack | Done
+Message: TypeAlias = Challenge | Hello | Welcome | Redirect | Refuse | SamplesFrame | Ack | Done
 """Every message of the streaming protocol."""
 
-_SEQ_FIELD: Final = attrs.fields(SampleFrame).seq
 _TAGS: Final[dict[type[Any], str]] = {
     Challenge: "challenge",
     Hello: "hello",
     Welcome: "welcome",
+    Redirect: "redirect",
     Refuse: "refuse",
-    SampleFrame: "sample",
+    SamplesFrame: "samples",
     Ack: "ack",
     Done: "done",
 }
 _TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in _TAGS.items()}
 _JSON_TYPES: Final = {"int": int, "str": str}
-# The header fields of each message and their JSON types (a sample's tensors are its payload).
+# The header fields of each message and their JSON types (a batch's samples are its payload,
+# described by the header's "sizes").
 _FIELDS: Final[dict[type[Any], dict[str, type[Any]]]] = {
-    cls: {f.name: _JSON_TYPES[str(f.type)] for f in attrs.fields(cls) if f.name != "tensors"} for cls in _TAGS
+    cls: {f.name: _JSON_TYPES[str(f.type)] for f in attrs.fields(cls) if f.name != "samples"} for cls in _TAGS
 }
-
-
-# -- tensors --
-
-
-def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The safetensors bytes of a sample's named tensors (moved to the CPU, made contiguous).
-
-    Raises:
-        TypeError: ``tensors`` is not a mapping of str to tensors.
-        ValueError: it is empty.
-    """
-    if not isinstance(tensors, Mapping):
-        msg = f"a sample's tensors are a mapping of names to tensors, got {type(tensors).__name__}"
-        raise TypeError(msg)
-    if not tensors:
-        msg = "a sample has at least one tensor"
-        raise ValueError(msg)
-    ready: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            what = f"{type(name).__name__}: {type(tensor).__name__}"
-            msg = f"a sample's tensors map str to torch.Tensor, got {what}"
-            raise TypeError(msg)
-        ready[name] = tensor.detach().to("cpu").contiguous()
-    try:
-        return safetensors.torch.save(ready)
-    except RuntimeError:  # tensors sharing memory (views of one another): safetensors wants copies
-        return safetensors.torch.save({name: tensor.clone() for name, tensor in ready.items()})
-
-
-def decode_tensors(payload: bytes) -> dict[str, torch.Tensor]:
-    """The named tensors in ``payload`` (safetensors bytes).
-
-    Raises:
-        FrameError: ``payload`` is not safetensors bytes, or holds no tensor.
-    """
-    try:
-        tensors = safetensors.torch.load(payload)
-    except Exception as exc:  # hostile bytes: whatever the parser raises, the frame is bad
-        msg = f"the sample's tensors do not decode: {type(exc).__name__}: {str(exc).strip():.200}"
-        raise FrameError(msg) from exc
-    if not tensors:
-        msg = "a sample frame holds no tensor"
-        raise FrameError(msg)
-    return tensors
+_FIELDS[SamplesFrame]["sizes"] = list
 
 
 # -- frames --
 
 
-def _header(tag: str, fields: dict[str, Any]) -> bytes:
+def _header(tag: str, fields: dict[str, Any], *, align: bool = False) -> bytes:
     header = json.dumps({"type": tag, **fields}, sort_keys=True, separators=(",", ":")).encode()
+    if align:  # JSON may end with spaces: they put the payload at an 8-aligned offset in the body
+        header += b" " * (-(_JSON_HEADER.size + len(header)) % _ALIGN)
     if len(header) > 0xFFFF:
         msg = f"a {tag!r} header of {len(header)} bytes is over the limit of 65535 bytes"
         raise FrameError(msg)
     return _JSON_HEADER.pack(len(header)) + header
 
 
-def _frame(body_parts: tuple[bytes, ...], what: str, max_frame_bytes: int) -> bytes:
+def _frame(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> bytes:
     length = sum(len(part) for part in body_parts)
     if length > max_frame_bytes:
         msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
@@ -312,16 +345,49 @@ def _frame(body_parts: tuple[bytes, ...], what: str, max_frame_bytes: int) -> by
     return b"".join((_FRAME_HEADER.pack(length), *body_parts))
 
 
+def samples_frame_bytes(producer: str, first_seq: int, sizes: Sequence[int]) -> int:
+    """The size of the frame :func:`samples_frame` makes of payloads of these ``sizes``
+    (length prefix included), without making it."""
+    header = _header(
+        "samples", {"first_seq": first_seq, "producer": producer, "sizes": list(sizes)}, align=True
+    )
+    return HEADER_BYTES + len(header) + sum(size + (-size % _ALIGN) for size in sizes)
+
+
+def samples_frame(
+    producer: str,
+    first_seq: int,
+    payloads: Sequence[bytes],
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> bytes:
+    """The frame of consecutive samples whose tensors are already encoded (:func:`encode_tensors`).
+
+    Raises:
+        FrameError: no payload or more than :data:`MAX_SAMPLES_PER_FRAME`, or the frame would
+            be over ``max_frame_bytes``.
+    """
+    if not 1 <= len(payloads) <= MAX_SAMPLES_PER_FRAME:
+        msg = f"a samples frame holds 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(payloads)}"
+        raise FrameError(msg)
+    sizes = [len(payload) for payload in payloads]
+    parts = [_header("samples", {"first_seq": first_seq, "producer": producer, "sizes": sizes}, align=True)]
+    for payload in payloads:
+        parts.append(payload)
+        if len(payload) % _ALIGN:
+            parts.append(_PADDING[: -len(payload) % _ALIGN])
+    return _frame(parts, "samples", max_frame_bytes)
+
+
 def sample_frame(
     producer: str, seq: int, payload: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 ) -> bytes:
-    """The frame of a sample whose tensors are already encoded (:func:`encode_tensors`).
+    """The frame of one sample whose tensors are already encoded: :func:`samples_frame` of one.
 
     Raises:
         FrameError: the frame would be over ``max_frame_bytes``.
     """
-    header = _header("sample", {"producer": producer, "seq": seq})
-    return _frame((header, payload), "sample", max_frame_bytes)
+    return samples_frame(producer, seq, [payload], max_frame_bytes=max_frame_bytes)
 
 
 def encode_frame(message: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
@@ -330,9 +396,9 @@ def encode_frame(message: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
     Raises:
         FrameError: ``message`` is not a streaming message, or its frame is over ``max_frame_bytes``.
     """
-    if isinstance(message, SampleFrame):
-        payload = encode_tensors(message.tensors)
-        return sample_frame(message.producer, message.seq, payload, max_frame_bytes=max_frame_bytes)
+    if isinstance(message, SamplesFrame):
+        payloads = [encode_tensors(tensors) for tensors in message.samples]
+        return samples_frame(message.producer, message.first_seq, payloads, max_frame_bytes=max_frame_bytes)
     tag = _TAGS.get(type(message))
     if tag is None:
         msg = f"cannot encode {type(message).__name__!r}: not a streaming message"
@@ -346,13 +412,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(msg)
 
 
-def decode_body(body: bytes) -> Message:
+def decode_body(body: bytes | bytearray) -> Message:
     """The message in one frame's body (without the length prefix).
+
+    A batch's tensors are views of ``body`` when it is a ``bytearray`` (they keep it alive),
+    except for samples under 1/8 of the body, which are copied out; from ``bytes``, copies.
 
     Raises:
         FrameError: the header is not a JSON object of a known type with exactly its fields
-            of the right types and ranges, a message other than a sample has a payload, or a
-            sample's payload does not decode.
+            of the right types and ranges, a message other than a batch of samples has a
+            payload, or a batch's sizes do not match its payload or a sample does not decode.
     """
     if len(body) < _JSON_HEADER.size:
         msg = f"a frame body of {len(body)} bytes is too short for its header"
@@ -363,7 +432,7 @@ def decode_body(body: bytes) -> Message:
         msg = f"a frame's header announces {length} bytes, but the body has only {len(body) - 2}"
         raise FrameError(msg)
     try:
-        obj = json.loads(body[_JSON_HEADER.size : end].decode(), parse_constant=_reject_constant)
+        obj = json.loads(bytes(body[_JSON_HEADER.size : end]).decode(), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         msg = f"the frame header is not UTF-8 JSON: {exc}"
         raise FrameError(msg) from exc
@@ -385,14 +454,13 @@ def decode_body(body: bytes) -> Message:
         if isinstance(value, bool) or not isinstance(value, expected):
             msg = f"malformed {tag!r} message: {name} must be {expected.__name__}, got {value!r:.40}"
             raise FrameError(msg)
-    payload = body[end:]
-    if cls is not SampleFrame and payload:
-        msg = f"a {tag!r} message has no payload, got {len(payload)} bytes after its header"
+    if cls is not SamplesFrame and end != len(body):
+        msg = f"a {tag!r} message has no payload, got {len(body) - end} bytes after its header"
         raise FrameError(msg)
     try:
-        if cls is SampleFrame:
-            _seq(None, _SEQ_FIELD, obj["seq"])  # the header is sound before the payload is parsed
-            obj["tensors"] = decode_tensors(payload)
+        if cls is SamplesFrame:
+            _seq(None, attrs.fields(SamplesFrame).first_seq, obj["first_seq"])  # sound before the payload
+            obj["samples"] = _decode_samples(body, end, obj.pop("sizes"))
         message: Message = cls(**obj)
     except ValueError as exc:
         msg = f"malformed {tag!r} message: {exc}"
@@ -400,14 +468,49 @@ def decode_body(body: bytes) -> Message:
     return message
 
 
+def _decode_samples(body: bytes | bytearray, start: int, sizes: list[Any]) -> list[dict[str, torch.Tensor]]:
+    """Each sample's tensors in ``body[start:]``, whose payloads have these ``sizes``."""
+    if not 1 <= len(sizes) <= MAX_SAMPLES_PER_FRAME:
+        msg = f"sizes lists 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(sizes)}"
+        raise FrameError(f"malformed 'samples' message: {msg}")
+    if start % _ALIGN:
+        msg = f"malformed 'samples' message: its payload starts at byte {start} of the body, not 8-aligned"
+        raise FrameError(msg)
+    if not isinstance(body, bytearray):
+        body = bytearray(body)  # the tensors need memory of their own
+    offsets = []
+    offset = start
+    for size in sizes:
+        if type(size) is not int or size < 0:
+            msg = f"malformed 'samples' message: a size is not an int >= 0: {size!r:.40}"
+            raise FrameError(msg)
+        offsets.append(offset)
+        offset += size + (-size % _ALIGN)
+    if offset != len(body):
+        msg = (
+            f"malformed 'samples' message: sizes {sizes!s:.80} make {offset - start} bytes, "
+            f"the payload has {len(body) - start}"
+        )
+        raise FrameError(msg)
+    samples = []
+    for begin, size in zip(offsets, sizes, strict=True):
+        if size * _COPY_BELOW_SHARE < len(body):  # small: copied, so as not to pin the whole frame
+            samples.append(decode_tensors(bytearray(body[begin : begin + size])))
+        else:
+            samples.append(decode_tensors(body, begin, begin + size))
+    return samples
+
+
 class FrameDecoder:
     """Splits a byte stream into messages; feed it whatever the socket returned.
 
     The frame's announced length is checked against ``max_frame_bytes`` as soon as the
     4-byte header is complete, so an oversized frame is refused before its body is
-    buffered.  Once :attr:`producer` is set (after the handshake), every sample must name
-    it, and seqs must increase along the connection.  After a :class:`FrameError` every
-    later :meth:`feed` raises again: the stream cannot be resynchronised.
+    buffered.  Each body is gathered into a ``bytearray`` of its own (one copy of the
+    received bytes), which the samples' tensors then view.  Once :attr:`producer` is set
+    (after the handshake), every batch must name it, and seqs must increase along the
+    connection.  After a :class:`FrameError` every later :meth:`feed` raises again: the
+    stream cannot be resynchronised.
     """
 
     def __init__(self, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
@@ -417,58 +520,81 @@ class FrameDecoder:
         self.max_frame_bytes = max_frame_bytes
         self.producer: str | None = None
         self.last_seq: int | None = None
-        self._buffer = bytearray()
+        self._chunks: deque[memoryview] = deque()
+        self._size = 0  # bytes in _chunks
+        self._body: int | None = None  # the length of the body awaited, once its prefix is read
         self._error: FrameError | None = None
 
     @property
     def buffered(self) -> int:
         """How many bytes of an incomplete frame wait for the rest."""
-        return len(self._buffer)
+        return self._size + (HEADER_BYTES if self._body is not None else 0)
+
+    def _take(self, count: int) -> bytearray:
+        """The next ``count`` bytes of the chunks, in a bytearray of their own."""
+        out = bytearray(count)
+        filled = 0
+        chunks = self._chunks
+        while filled < count:
+            chunk = chunks[0]
+            n = min(len(chunk), count - filled)
+            out[filled : filled + n] = chunk[:n]
+            filled += n
+            if n == len(chunk):
+                chunks.popleft()
+            else:
+                chunks[0] = chunk[n:]
+        self._size -= count
+        return out
 
     def feed(self, data: bytes) -> list[tuple[Message, int]]:
         """Add ``data``; return each message it completes with its frame's size, in order.
 
         Raises:
             FrameError: a header announces more than ``max_frame_bytes``, a body does not
-                decode (see :func:`decode_body`), a sample names another producer, or its seq
-                does not exceed the previous one; also on any call after one that raised.
+                decode (see :func:`decode_body`), a batch names another producer, or its first
+                seq does not exceed the previous batch's last; also on any call after one that raised.
         """
         if self._error is not None:
             msg = f"the stream is unusable after an earlier bad frame: {self._error}"
             raise FrameError(msg)
-        buffer = self._buffer
-        buffer += data
+        if data:
+            self._chunks.append(memoryview(data))
+            self._size += len(data)
         messages: list[tuple[Message, int]] = []
-        offset = 0
         try:
-            while len(buffer) - offset >= HEADER_BYTES:
-                (length,) = _FRAME_HEADER.unpack_from(buffer, offset)
-                if length > self.max_frame_bytes:
-                    msg = f"a frame announces {length} bytes, over the limit of {self.max_frame_bytes} bytes"
-                    raise FrameError(msg)
-                end = offset + HEADER_BYTES + length
-                if end > len(buffer):
+            while True:
+                if self._body is None:
+                    if self._size < HEADER_BYTES:
+                        break
+                    (length,) = _FRAME_HEADER.unpack(self._take(HEADER_BYTES))
+                    if length > self.max_frame_bytes:
+                        limit = self.max_frame_bytes
+                        msg = f"a frame announces {length} bytes, over the limit of {limit} bytes"
+                        raise FrameError(msg)
+                    self._body = length
+                if self._size < self._body:
                     break
-                message = decode_body(bytes(buffer[offset + HEADER_BYTES : end]))
-                offset = end
-                if isinstance(message, SampleFrame):
+                length, self._body = self._body, None
+                message = decode_body(self._take(length))
+                if isinstance(message, SamplesFrame):
                     self._check_order(message)
                 messages.append((message, HEADER_BYTES + length))
         except FrameError as exc:
             self._error = exc
-            buffer.clear()
+            self._chunks.clear()
+            self._size, self._body = 0, None
             raise
-        del buffer[:offset]
         return messages
 
-    def _check_order(self, sample: SampleFrame) -> None:
-        if self.producer is not None and sample.producer != self.producer:
-            msg = f"a sample of producer {sample.producer!r:.80} on the connection of {self.producer!r}"
+    def _check_order(self, batch: SamplesFrame) -> None:
+        if self.producer is not None and batch.producer != self.producer:
+            msg = f"a sample of producer {batch.producer!r:.80} on the connection of {self.producer!r}"
             raise FrameError(msg)
-        if self.last_seq is not None and sample.seq <= self.last_seq:
-            msg = f"seq {sample.seq} after seq {self.last_seq}: seqs must increase along a connection"
+        if self.last_seq is not None and batch.first_seq <= self.last_seq:
+            msg = f"seq {batch.first_seq} after seq {self.last_seq}: seqs must increase along a connection"
             raise FrameError(msg)
-        self.last_seq = sample.seq
+        self.last_seq = batch.last_seq
 
 
 # -- proofs --
@@ -486,21 +612,37 @@ def producer_proof(token: bytes, *, receiver_nonce: str, hello: Hello) -> str:
     return token_proof(token, b"lamploop-stream producer proof", receiver_nonce.encode(), _transcript(hello))
 
 
-def receiver_proof(token: bytes, *, receiver_nonce: str, hello: Hello, acked_seq: int) -> str:
-    """HMAC-SHA256 under ``token`` of the producer's nonce, the receiver's, ``hello`` and ``acked_seq``."""
+def receiver_proof(
+    token: bytes, *, receiver_nonce: str, hello: Hello, acked_seq: int, max_frame_bytes: int
+) -> str:
+    """HMAC-SHA256 under ``token`` of the producer's nonce, the receiver's, ``hello`` and the
+    Welcome's ``acked_seq`` and ``max_frame_bytes``."""
     return token_proof(
         token,
         b"lamploop-stream receiver proof",
         hello.nonce.encode(),
         receiver_nonce.encode(),
         _transcript(hello),
-        str(acked_seq).encode(),
+        f"{acked_seq} {max_frame_bytes}".encode(),
+    )
+
+
+def redirect_proof(token: bytes, *, receiver_nonce: str, hello: Hello, host: str, port: int) -> str:
+    """HMAC-SHA256 under ``token`` of the producer's nonce, the receiver's, ``hello`` and the
+    address a :class:`Redirect` names (so nobody but a receiver knowing the token redirects)."""
+    return token_proof(
+        token,
+        b"lamploop-stream redirect proof",
+        hello.nonce.encode(),
+        receiver_nonce.encode(),
+        _transcript(hello),
+        json.dumps([host, port]).encode(),
     )
 
 
 # -- I/O --
 
-_RECEIVE_BYTES = 256 * 1024
+_RECEIVE_BYTES = 1024 * 1024
 
 
 class FramedStream:

@@ -1,0 +1,186 @@
+"""A sample's tensors as safetensors bytes, encoded in one copy and decoded without any.
+
+The bytes are the safetensors format (``safetensors.torch.load`` reads what
+:func:`encode_tensors` writes, and :func:`decode_tensors` reads what
+``safetensors.torch.save`` writes): an 8-byte little-endian header length, a JSON header
+naming each tensor's dtype, shape and byte range, then the tensors' bytes.  Nothing is ever
+unpickled.
+
+Why not ``safetensors.torch.save``/``load``: they cost about 20 µs of Python per sample and
+copy every tensor twice; here the encoder makes one copy (the caller may change its tensors
+after sending), and the decoder makes none: the tensors are :func:`torch.frombuffer` views of
+the received bytes (a ``bytearray`` the views keep alive).  The decoder is as strict as the
+reference parser: a known dtype, byte ranges that match the shapes and tile the data exactly
+(so a name given twice leaves a hole, unless both describe the same bytes), at least one
+tensor; anything else is a :class:`~lamploop.errors.FrameError`.
+
+.. versionadded:: 0.2
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any, Final
+
+import torch
+
+from lamploop.errors import FrameError
+
+__all__ = ["DTYPES", "decode_tensors", "encode_tensors"]
+
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "C64": torch.complex64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+"""The safetensors dtype names this codec reads and writes, and their torch dtypes."""
+
+_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_LENGTH = struct.Struct("<Q")
+_MAX_HEADER_BYTES: Final = 100_000_000  # the reference parser's limit
+_TENSOR_KEYS: Final = frozenset({"dtype", "shape", "data_offsets"})
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The safetensors bytes of a sample's named tensors (moved to the CPU, copied once).
+
+    The layout is the reference encoder's: tensors ordered by dtype size (largest first), then
+    name, so each one is aligned to its dtype size; the header padded with spaces to 8 bytes.
+
+    Raises:
+        TypeError: ``tensors`` is not a mapping of str to tensors, or a dtype safetensors lacks.
+        ValueError: it is empty.
+    """
+    if not isinstance(tensors, Mapping):
+        msg = f"a sample's tensors are a mapping of names to tensors, got {type(tensors).__name__}"
+        raise TypeError(msg)
+    if not tensors:
+        msg = "a sample has at least one tensor"
+        raise ValueError(msg)
+    ready: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            what = f"{type(name).__name__}: {type(tensor).__name__}"
+            msg = f"a sample's tensors map str to torch.Tensor, got {what}"
+            raise TypeError(msg)
+        if tensor.dtype not in _NAMES:
+            msg = f"tensor {name!r}: dtype {tensor.dtype} has no safetensors encoding here"
+            raise TypeError(msg)
+        ready.append((name, tensor.detach().to("cpu").contiguous()))
+    ready.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict[str, Any] = {}
+    parts: list[Any] = [b"", b""]  # the length and the header, once known
+    offset = 0
+    for name, tensor in ready:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+        if size:
+            parts.append(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy: join copies it
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as the reference writes it
+    parts[0], parts[1] = _LENGTH.pack(len(text)), text
+    return b"".join(parts)
+
+
+def _bad(why: str) -> FrameError:
+    return FrameError(f"the sample's tensors do not decode: {why}")
+
+
+def _entry(name: object, entry: object) -> tuple[torch.dtype, list[int], int, int]:
+    """A header entry's dtype, shape and byte range, checked."""
+    if not isinstance(entry, dict) or set(entry) != _TENSOR_KEYS:
+        raise _bad(f"tensor {name!r:.60} is not an object of {sorted(_TENSOR_KEYS)}")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise _bad(f"tensor {name!r:.60} has an unknown dtype {entry['dtype']!r:.40}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise _bad(f"tensor {name!r:.60} has a malformed shape {shape!r:.60}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        raise _bad(f"tensor {name!r:.60} has malformed data_offsets {offsets!r:.60}")
+    begin, end = offsets
+    if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+        raise _bad(f"tensor {name!r:.60}: data_offsets {offsets} do not match shape {shape} of {dtype}")
+    return dtype, shape, begin, end
+
+
+def decode_tensors(
+    data: bytes | bytearray | memoryview, start: int = 0, stop: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The named tensors in ``data[start:stop]`` (safetensors bytes).
+
+    When ``data`` is a ``bytearray`` and every tensor's bytes are aligned to its dtype, the
+    tensors are views of ``data`` (no copy; they keep it alive); otherwise that range is
+    copied once first.
+
+    Raises:
+        FrameError: the range is not safetensors bytes, or holds no tensor.
+    """
+    stop = len(data) if stop is None else stop
+    if stop - start < _LENGTH.size:
+        raise _bad(f"{stop - start} bytes are too few for a safetensors header")
+    (length,) = _LENGTH.unpack_from(data, start)
+    data_start = start + _LENGTH.size + length
+    if length > _MAX_HEADER_BYTES or data_start > stop:
+        raise _bad(f"the header announces {length} bytes, but {stop - start - _LENGTH.size} follow")
+    try:
+        header = json.loads(bytes(data[start + _LENGTH.size : data_start]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _bad(f"the header is not UTF-8 JSON: {exc!s:.100}") from exc
+    if not isinstance(header, dict):
+        raise _bad(f"the header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _bad("__metadata__ is not an object of strings")
+    if not header:
+        msg = "a sample frame holds no tensor"
+        raise FrameError(msg)
+    entries = {name: _entry(name, entry) for name, entry in header.items()}
+    covered = 0
+    for _dtype, _shape, begin, end in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+        if begin != covered:
+            raise _bad(f"the tensors' bytes do not tile the data: a hole or an overlap at byte {begin}")
+        covered = end
+    if covered != stop - data_start:
+        raise _bad(f"the tensors cover {covered} bytes of data, but {stop - data_start} follow the header")
+    buffer = data
+    if not isinstance(data, bytearray) or not _aligned(data, data_start, entries.values()):
+        buffer, data_start = bytearray(data[data_start:stop]), 0  # one copy, aligned by the allocator
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape, begin, end) in entries.items():
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            count = (end - begin) // dtype.itemsize
+            flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
+            tensors[name] = flat if len(shape) == 1 else flat.view(shape)  # a view costs 1.5 µs
+    return tensors
+
+
+def _aligned(data: bytearray, data_start: int, entries: Any) -> bool:
+    """Whether every tensor of ``entries`` starts at an address its dtype's size divides."""
+    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr() + data_start if data else 0
+    return all((base + begin) % dtype.itemsize == 0 for dtype, _shape, begin, _end in entries)

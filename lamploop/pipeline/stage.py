@@ -41,7 +41,7 @@ from lamploop.model import LossFunction
 from lamploop.pipeline.spec import PipelineSpec
 from lamploop.pipeline.split import stage_examples
 
-__all__ = ["StageRunner"]
+__all__ = ["StageRunner", "all_reduce", "peer_failure"]
 
 _Key: TypeAlias = tuple[tuple[int, ...], torch.dtype, bool]
 _Schedule: TypeAlias = ScheduleGPipe | Schedule1F1B
@@ -55,6 +55,27 @@ def _from_the_transport(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def peer_failure(rank: int, what: str, exc: BaseException) -> DistributedError:
+    """The error of a stage whose send, receive or sum failed because another stage is gone."""
+    msg = (
+        f"pipeline stage {rank}: {what}: another stage died, or did not answer within the "
+        f"group's timeout: {exc}"
+    )
+    return DistributedError(msg)
+
+
+def all_reduce(tensor: torch.Tensor, *, rank: int, what: str, op: Any = dist.ReduceOp.SUM) -> None:
+    """Reduce ``tensor`` in place over the pipeline's ranks, bounded by the group's timeout.
+
+    Raises:
+        DistributedError: another stage died, or did not take part within the timeout.
+    """
+    try:
+        dist.all_reduce(tensor, op=op)
+    except RuntimeError as exc:
+        raise peer_failure(rank, what, exc) from exc
 
 
 class StageRunner:
@@ -137,11 +158,7 @@ class StageRunner:
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             place = where(epoch, index, 0)
             if _from_the_transport(exc):
-                msg = (
-                    f"pipeline stage {self.rank}: {place}: a neighbouring stage died, or did not send "
-                    f"within the group's timeout: {exc}"
-                )
-                raise DistributedError(msg) from exc
+                raise peer_failure(self.rank, place, exc) from exc
             what = type(exc).__name__
             msg = f"pipeline stage {self.rank}: {place}: the stage or its loss failed: {what}: {exc}"
             raise BatchError(msg) from exc
@@ -152,13 +169,7 @@ class StageRunner:
         if self._sums:
             local[0] = torch.stack(self._sums).to(torch.float64).sum()
             local[1] = float(sum(self._counts))
-        try:
-            dist.all_reduce(local)
-        except RuntimeError as exc:
-            msg = (
-                f"pipeline stage {self.rank}: the sum of the {what} failed (a stage died or timed out): {exc}"
-            )
-            raise DistributedError(msg) from exc
+        all_reduce(local, rank=self.rank, what=f"the sum of the {what}")
         return float(local[0]), int(local[1])
 
     def train_step(
@@ -174,7 +185,7 @@ class StageRunner:
         Raises:
             NonFiniteLossError: the step's loss is NaN or infinite (on every rank, before the step).
             BatchError: the stage or the loss failed on this batch.
-            DistributedError: a neighbouring stage died or timed out.
+            DistributedError: another stage died, or did not answer within the group's timeout.
         """
         self.module.train()
         self._expected = int(target.shape[0])

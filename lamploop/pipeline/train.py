@@ -27,14 +27,14 @@ from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint.restore import restore_optimizer_state
 from lamploop.distributed.replica import learning_rates, set_learning_rate_factor
 from lamploop.distributed.root_setup import OptimizerFactory
-from lamploop.errors import BatchError, CheckpointError, ConfigurationError, DistributedError
+from lamploop.errors import BatchError, CheckpointError, ConfigurationError
 from lamploop.loop.batch_checks import check_stream, prepare, where
 from lamploop.loop.epoch_driver import epochs
 from lamploop.model import LossFunction, cross_entropy_loss
 from lamploop.pipeline.group import current_group
 from lamploop.pipeline.spec import SCHEDULES, PipelineSpec
 from lamploop.pipeline.split import split_sequential
-from lamploop.pipeline.stage import StageRunner
+from lamploop.pipeline.stage import StageRunner, all_reduce
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -74,16 +74,8 @@ async def _settle(spec: PipelineSpec, layers: int, parameters: int, start_epoch:
     mine = torch.tensor(list(facts.values()), dtype=torch.float64)
     both = torch.cat([mine, -mine])  # max of x and of -x: the largest and the smallest value
 
-    def reduce() -> None:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-
-    try:
-        await anyio.to_thread.run_sync(reduce)
-    except RuntimeError as exc:
-        msg = (
-            f"pipeline stage {rank}: the ranks could not compare their set-up (one died, or timed out): {exc}"
-        )
-        raise DistributedError(msg) from exc
+    what = "comparing the ranks' set-up"
+    await anyio.to_thread.run_sync(lambda: all_reduce(both, rank=rank, what=what, op=dist.ReduceOp.MAX))
     n = len(facts)
     for position, name in enumerate(facts):
         high, low = float(both[position]), -float(both[n + position])
@@ -171,6 +163,11 @@ class _StageEpochs:
                 best_model=self.best,
             )
             await self.checkpoint_state(data, schedule_state)
+            # Wait until every stage has written this epoch's checkpoint: a rank that goes on
+            # (to resume from it, say) finds every stage's, not only its own.
+            done = torch.zeros(1)
+            what = f"waiting for every stage's checkpoint of epoch {state.epoch}"
+            await anyio.to_thread.run_sync(lambda: all_reduce(done, rank=self.runner.rank, what=what))
 
 
 async def train_pipeline(
@@ -214,7 +211,9 @@ async def train_pipeline(
             as in :func:`lamploop.epochs`.
         init_state: resume this stage from it (see :func:`load_stage_checkpoint`).
         checkpoint_state: awaited after every epoch with this stage's state (see
-            :func:`stage_checkpointer`) and the schedule state the next epoch will use.
+            :func:`stage_checkpointer`) and the schedule state the next epoch will use; the
+            ranks then wait for each other, so every stage's checkpoint is written when any
+            rank goes on.
 
     Returns:
         The loop state, the same on every rank.

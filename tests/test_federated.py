@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import anyio
 import torch
 
 from lamploop.batches import BatchContext, tensor_batches
-from lamploop.federated import TrainingPlan, mlp
+from lamploop.federated import AggregatorSettings, FederatedResult, TrainingPlan, mlp, run_aggregator
 from lamploop.loop import one_epoch
 from lamploop.model import SupervisedModel
 from tests.workers.federated_harness import (
+    TOKEN,
     aggregate,
     free_port,
+    in_process_node,
     make_plan,
     node_result,
     processes,
@@ -75,17 +78,30 @@ def test_one_local_sgd_step_on_equal_shards_equals_a_synchronous_step_on_the_uni
 
 
 def test_fedavg_weights_by_sample_count_on_unequal_shards(tmp_path: Path) -> None:
+    # The nodes run in threads of this process (real sockets, the same node code): what is
+    # checked here is the weighting; node processes are exercised by the other tests.
     plan = make_plan()
     port = free_port()
     shards = [(0, 30), (30, 120)]
     nodes = [
-        start_node(tmp_path, plan, port, f"node-{i}", rows=list(rows), batch_size=rows[1] - rows[0])
+        in_process_node(tmp_path, plan, port, f"node-{i}", rows, rows[1] - rows[0])
         for i, rows in enumerate(shards)
     ]
-    with processes(nodes):
-        result = aggregate(plan, port, rounds=1, min_nodes=2, expected_nodes=2)
-        for node in nodes:
-            node_result(node)
+
+    async def main() -> FederatedResult:
+        async with anyio.create_task_group() as tg:
+            for node in nodes:
+                tg.start_soon(partial(anyio.to_thread.run_sync, anyio.run, node, abandon_on_cancel=True))
+            with anyio.fail_after(30):
+                return await run_aggregator(
+                    plan=plan,
+                    initial_model=mlp(dict(plan.model.options)),
+                    token=TOKEN,
+                    port=port,
+                    settings=AggregatorSettings(rounds=1, min_nodes=2, expected_nodes=2),
+                )
+
+    result = anyio.run(main)
     assert [r.sample_count for r in result.rounds[0].answered] == [30, 90]
     union = _sgd_steps(plan, (0, 120), steps=1)
     _assert_close(dict(result.model), union)

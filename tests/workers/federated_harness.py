@@ -115,3 +115,45 @@ def aggregate(plan: TrainingPlan, port: int, *, timeout: float = 40.0, **setting
             )
 
     return anyio.run(main)
+
+
+def start_aggregator(tmp: Path, **config: Any) -> subprocess.Popen[str]:
+    """An aggregator process (tests/workers/federated_aggregator.py); its log is tmp/aggregator.log."""
+    log = open(tmp / "aggregator.log", "a")  # noqa: SIM115 -- the process holds it
+    with contextlib.closing(log):
+        return subprocess.Popen(
+            [sys.executable, str(AGGREGATOR_SCRIPT), json.dumps(config)],
+            env=environment(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+
+
+def in_process_node(
+    tmp: Path, plan: TrainingPlan | None, port: int, name: str, rows: tuple[int, int], batch_size: int
+) -> Any:
+    """A coroutine function running the node of tests/workers/federated_node.py in this process."""
+    from lamploop.batches import tensor_batches
+    from lamploop.federated import NodeSettings, run_node
+    from tests.workers.federated_node import dataset
+
+    allow = tmp / f"{name}-inproc-allow.json"
+    if plan is not None:
+        approve_plan(plan, allow)
+    x, y = dataset()
+    start, stop = rows
+
+    async def node() -> Any:
+        return await run_node(
+            name=name,
+            host="127.0.0.1",
+            port=port,
+            token=TOKEN,
+            allow_list=allow,
+            train_batches=tensor_batches(x[start:stop], y[start:stop], batch_size=batch_size, shuffle=False),
+            validation_batches=tensor_batches(x[start:stop], y[start:stop], batch_size=64, shuffle=False),
+            settings=NodeSettings(connect_timeout=20.0, retry_interval=0.05),
+        )
+
+    return node

@@ -7,6 +7,8 @@ Subcommands::
     lamploop demo --resume DIR [--epochs N]      resume with DIR/config.json's settings
     lamploop inspect CKPT                        a checkpoint's state, learning curve and files
     lamploop plot CKPT -o curve.png [--title T]  the learning curve as a PNG (needs matplotlib)
+    lamploop federated approve PLAN.json --allow-list FILE
+                                                 add a training plan's hash to a node's allow-list
 
 ``CKPT`` is a checkpoint directory or a run directory (then its latest valid checkpoint).
 ``demo`` saves its settings in ``DIR/config.json``; run again in the same directory, a
@@ -109,7 +111,36 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
     plot.add_argument("--title", help="the figure's title (default: the checkpoint's path)")
     plot.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _federated_parser(commands)
     return parser
+
+
+def _federated_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    federated = commands.add_parser(
+        "federated", help="federated rounds: approve a training plan on a node (see docs/federated.md)"
+    )
+    actions = federated.add_subparsers(dest="federated_command", required=True)
+    approve = actions.add_parser(
+        "approve",
+        help="add a training plan's hash to this node's allow-list",
+        description="Check a training plan (JSON), print its sha256 and add it to the node's allow-list "
+        "(created if missing). A node trains only plans whose hash is on its allow-list.",
+    )
+    approve.add_argument("plan", type=Path, metavar="PLAN.json", help="the training plan")
+    approve.add_argument(
+        "--allow-list", type=Path, required=True, metavar="FILE", help="the node's allow-list (JSON)"
+    )
+    approve.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+
+
+def _federated(args: argparse.Namespace) -> int:
+    from lamploop.federated import approve_plan, load_plan
+
+    plan = load_plan(args.plan)
+    digest, added = approve_plan(plan, args.allow_list)
+    what = "approved" if added else "already approved"
+    print(f"{what}: {digest} ({plan.name}) in {args.allow_list}", flush=True)
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -159,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    commands = {"demo": _demo, "inspect": _inspect, "plot": _plot}
+    commands = {"demo": _demo, "inspect": _inspect, "plot": _plot, "federated": _federated}
     try:
         return commands[args.command](args)
     except TrainingInterrupted as exc:

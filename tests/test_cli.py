@@ -68,3 +68,26 @@ def test_ctrl_c_stops_after_the_step_with_one_line_and_exits_130(tmp_path: Path)
     )
     # The next run resumes from that step boundary.
     assert "-step-" in (out / "latest").read_text()
+
+
+def test_federated_approve_adds_the_plans_hash_to_the_allow_list_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lamploop.cli import main
+    from lamploop.federated import load_allow_list, plan_hash, save_plan
+    from tests.workers.federated_harness import make_plan
+
+    plan = make_plan()
+    plan_file = save_plan(plan, tmp_path / "plan.json")
+    allow = tmp_path / "node" / "allow.json"
+    assert main(["federated", "approve", str(plan_file), "--allow-list", str(allow)]) == 0
+    assert main(["federated", "approve", str(plan_file), "--allow-list", str(allow)]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert first == f"approved: {plan_hash(plan)} (test-plan) in {allow}"
+    assert second.startswith("already approved: ")
+    assert [entry.hash for entry in load_allow_list(allow).approved] == [plan_hash(plan)]
+    plan_file.write_text(plan_file.read_text().replace('"learning_rate": 0.5', '"learning_rate": "fast"'))
+    assert main(["federated", "approve", str(plan_file), "--allow-list", str(allow)]) == EXIT_FAILED
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    expected = f"lamploop: ConfigurationError: {plan_file}: optimizer.learning_rate: expected a number"
+    assert line.startswith(expected)

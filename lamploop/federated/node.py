@@ -39,7 +39,14 @@ import torch
 from lamploop.batches import Batch, BatchContext, BatchStream, BatchStreamFactory, epoch_seed
 from lamploop.control._connection import explain
 from lamploop.control._tls import check_context, wrap
-from lamploop.errors import ConfigurationError, ControlChannelError, FederatedError, HandshakeError
+from lamploop.errors import (
+    BatchError,
+    ConfigurationError,
+    ControlChannelError,
+    FederatedError,
+    HandshakeError,
+    NonFiniteLossError,
+)
 from lamploop.federated.approval import load_allow_list
 from lamploop.federated.link import Link, join_aggregator
 from lamploop.federated.models import ModelBuilders, build_model, build_optimizer, build_supervised_model
@@ -388,7 +395,7 @@ async def _answer(task: RoundTask, trainer: _Trainer, allow_path: Path) -> Round
         return RoundRefused(task.round, digest, reason, not_approved=True)
     try:
         return await trainer.run_round(plan, digest, task)
-    except ConfigurationError as exc:
+    except (ConfigurationError, BatchError, NonFiniteLossError) as exc:  # this round only: say why
         reason = f"node {trainer.name!r} cannot train plan {digest}: {exc}"
         logger.warning("%s", reason)
         return RoundRefused(task.round, digest, reason)

@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import attrs
 import torch
+import torch._dynamo
 
 from lamploop.batches import Batch, BatchContext, BatchStream, BatchStreamFactory, epoch_seed
 from lamploop.control._connection import explain

@@ -58,8 +58,10 @@ def open_pipeline_group(
     """Join the pipeline's Gloo process group (this process's default group) for the ``with`` block.
 
     Rank 0 opens a ``torch.distributed.TCPStore`` on ``host:port`` for the rendezvous; the
-    others connect to it.  Leaving the block destroys the group, which closes its
-    connections: a stage that fails and leaves makes its neighbours fail at once.
+    others connect to it.  Leaving the block destroys the group.  Gloo's connections close
+    only when the process ends (neither destroying nor aborting the group closes them), so
+    a rank whose training failed should let its process end: its neighbours then fail at
+    once instead of at the timeout.
 
     Args:
         rank: this process's rank (the stage it runs).

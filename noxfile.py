@@ -49,11 +49,22 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark; figures printed and written under bench-results/ as JSON."""
     install(session, "test")
+    session.install("scikit-learn")  # bench_strategies.py trains on its digits
     quick = ["--quick"] if "quick" in session.posargs else []
     for script in sorted(os.listdir("benchmarks")):
         if script.startswith("bench_") and script.endswith(".py"):
             name = script.removeprefix("bench_").removesuffix(".py")
             session.run("python", f"benchmarks/{script}", "--json", f"bench-results/{name}.json", *quick)
+
+
+@nox.session(name="bench-slowlink")
+def bench_slowlink(session: nox.Session) -> None:
+    """Sync strategies on a shaped veth link between two network namespaces (root; else loopback)."""
+    install(session, "test")
+    session.install("scikit-learn")
+    quick = ["--quick"] if "quick" in session.posargs else []
+    json_out = ["--json", "bench-results/strategies-slowlink.json"]
+    session.run("python", "benchmarks/bench_strategies.py", "--slowlink", *json_out, *quick)
 
 
 @nox.session

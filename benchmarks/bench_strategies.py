@@ -24,11 +24,13 @@ the loop's small per-step count and loss sum.  Accuracy is the validation accura
 the last epoch (every rank holds the same parameters then).
 
 ``--slowlink`` adds the shaped phase: two network namespaces joined by a veth pair, each
-end shaped with ``tc netem delay 5ms rate 100mbit``, addresses 10.200.0.1/30 and
-10.200.0.2/30 inside them only; created before and always removed after (also on failure
-or Ctrl-C).  The workers run inside them and time every contender on the first 16 steps
-of an epoch (8 with ``--quick``: local SGD H=8 then averages once or twice), repeated with
-rotated orders; accuracy there is the loopback phase's (the link changes no number).
+end shaped with ``tc netem delay 5ms rate 100mbit`` (where the kernel lacks ``sch_netem``,
+as this project's CI VM does, ``tc tbf rate 100mbit``: the rate without the delay, and the
+output says so), addresses 10.200.0.1/30 and 10.200.0.2/30 inside them only; created
+before and always removed after (also on failure or Ctrl-C).  The workers run inside them
+and time every contender on the first 16 steps of an epoch (8 with ``--quick``: local SGD
+H=8 then averages once or twice), repeated with rotated orders after one warm-up round;
+accuracy there is the loopback phase's (the link changes no number).
 Where namespaces cannot be made (not root, no ``ip``/``tc``) it says why and times on
 loopback instead.
 """
@@ -470,6 +472,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker is not None:
         return worker_main(args)
+    try:
+        import sklearn  # noqa: F401  (checked here: the workers would fail one by one)
+    except ImportError:
+        print("bench_strategies.py needs scikit-learn (its digits data set): pip install scikit-learn")
+        return 2
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", flush=True)
     params = sum(p.numel() for p in make_module().parameters())

@@ -230,6 +230,7 @@ class AsyncProducer:
         self._entered = self._closed = False
         self._done_requested = self._finished = False
         self._sent = self._resent = self._skipped = self._connections = 0
+        self._unsent = self._unsent_bytes = 0  # kept since the writer last took a batch: when to yield
 
     # -- what the owner reads --
 
@@ -291,10 +292,15 @@ class AsyncProducer:
         """Keep ``payload`` as the next seq's sample once the window has room; the seq."""
         self._check_open("send()")
         if self._queued == 0 and self._has_room():
-            # Kept without switching tasks, so that samples sent in a row leave in one write
-            # when the caller next waits (or the window fills).
+            # Kept without switching tasks, so that samples sent in a row leave in one frame
+            # when the caller next waits; but once a frame's worth (or a quarter of the window)
+            # waits, the writer gets its turn, so that the receiver takes a batch while the
+            # caller makes the next one, instead of both waiting in turn for a full window.
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._keep(payload, expected_seq)
+            seq = self._keep(payload, expected_seq)
+            if self._unsent_bytes >= _WRITE_BATCH_BYTES or self._unsent * 4 >= self._window:
+                await anyio.lowlevel.cancel_shielded_checkpoint()  # kept: a cancellation waits
+            return seq
         self._queued += 1  # no sender overtakes this one by the path above
         try:
             async with self._send_lock:
@@ -329,6 +335,8 @@ class AsyncProducer:
             return seq
         self._next_seq += 1
         self._frames.append((seq, payload))
+        self._unsent_bytes += len(payload)
+        self._unsent += 1
         self._changed.notify()
         return seq
 
@@ -618,6 +626,8 @@ class AsyncProducer:
             size += len(payload) + 8
         if not payloads:
             return None
+        self._unsent_bytes = max(self._unsent_bytes - size, 0)
+        self._unsent = max(self._unsent - len(payloads), 0)
         try:
             frame = samples_frame(self.name, first + start, payloads, max_frame_bytes=self._receiver_limit)
         except FrameError as exc:  # one sample over the receiver's limit (under ours: send() took it)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import ssl
 import time
@@ -87,7 +88,9 @@ logger = logging.getLogger("lamploop.streaming")
 _RECENT_REFUSALS = 16
 _REPLACE_TIMEOUT = 5.0
 _ACK_DELAY = 0.005
-"""Seconds after a put within which it is acknowledged, even if the next put waits."""
+"""Seconds after a put within which it is acknowledged, even if the next put waits; also the
+least time between two acknowledgements sent because the producer's stream paused (each ack
+is a system call that wakes the producer: one per frame cost more than the frame's decoding)."""
 
 
 @attrs.frozen
@@ -124,6 +127,7 @@ class _Acks:
     """What was acknowledged to one producer's connection, and a wake-up for the delayed ack."""
 
     sent: int
+    at: float = -math.inf  # when the last one was sent (anyio's clock)
     lock: anyio.Lock = attrs.field(factory=anyio.Lock)
     wake: anyio.Event = attrs.field(factory=anyio.Event)
 
@@ -160,8 +164,9 @@ class SampleReceiver:
         handshake_timeout: a connection must finish the handshake within this many seconds.
         idle_timeout: a producer's connection silent this long is closed (the producer
             reconnects when it has something to send); also bounds each acknowledgement sent.
-        ack_every: acknowledge at least every this many samples; also whenever the
-            producer's stream has nothing more waiting.
+        ack_every: acknowledge at least every this many samples (keep it under the
+            producers' ``resend_window``); also when the producer's stream pauses (at most every
+            5 ms), and within 5 ms of any put.
         max_pending_handshakes: connections handshaking at once; one more drops the oldest.
         ssl_context: TLS for every connection (a server context with the receiver's
             certificate), before the token handshake; ``None``: no TLS.
@@ -186,7 +191,7 @@ class SampleReceiver:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
-        ack_every: int = 64,
+        ack_every: int = 32,
         max_pending_handshakes: int = 64,
         ssl_context: ssl.SSLContext | None = None,
         directory_assignments: Mapping[str, int] | None = None,
@@ -565,7 +570,8 @@ class SampleReceiver:
                 if held < count and not await self._put_batch(name, message, held, size, acks):
                     return None
                 since_ack += len(message.samples)
-                if since_ack >= self._ack_every or not conn.has_pending:  # a batch, or the stream is idle
+                paused = not conn.has_pending and anyio.current_time() - acks.at >= _ACK_DELAY
+                if since_ack >= self._ack_every or paused:
                     if not await self._ack(conn, name, acks, force=True):
                         return None
                     since_ack = 0
@@ -600,7 +606,7 @@ class SampleReceiver:
             upto = self._acked.get(name, -1)
             if not (force or done) and upto <= acks.sent:
                 return True
-            acks.sent = upto
+            acks.sent, acks.at = upto, anyio.current_time()
             message = Done(upto) if done else Ack(upto)
             try:
                 with anyio.fail_after(self._idle_timeout):

@@ -44,6 +44,7 @@ from lamploop.pipeline import (
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData, converter
 
 ATOL = 1e-6
+ROOT = Path(__file__).resolve().parent.parent  # the stage processes import lamploop from here
 KILL_TIMEOUT_S = 60.0  # the group's timeout in the kill run: the failure must come long before it
 RUNS = [
     {
@@ -103,7 +104,7 @@ def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[worke
     with worker.Processes(workdir) as procs:
         for rank in (0, 1):
             argv = [sys.executable, str(Path(stage_worker.__file__)), str(workdir / "config.json"), str(rank)]
-            procs.start(f"stage{rank}", argv, env=worker.worker_env(PYTHONPATH=os.getcwd()))
+            procs.start(f"stage{rank}", argv, env=worker.worker_env(PYTHONPATH=str(ROOT)))
         yield procs, workdir
 
 

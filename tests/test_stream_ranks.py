@@ -108,7 +108,7 @@ def test_uneven_streams_end_the_run_by_themselves_and_every_sample_is_read_once(
     # Both buffers drained and closed in the last checkpoint: nothing left to resend or read.
     for name in ("stream", "stream.rank1"):
         _, meta = checkpoint.extras[name]
-        assert meta["closed"] is True, meta
+        assert meta["buffer"]["closed"] is True, meta
 
 
 @pytest.mark.timeout(150)

@@ -180,3 +180,47 @@ def test_a_sigkilled_producer_restarts_from_zero_and_nothing_is_read_twice(tmp_p
     counts = Counter((p, s) for _, p, s in _reads(log))
     assert set(counts) == {(name, seq) for name in NAMES for seq in range(SAMPLES)}
     assert {key: n for key, n in counts.items() if n != 2} == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_done_before_the_crash_is_not_waited_for_after_it(tmp_path: Path) -> None:
+    """The checkpoint records the producers that finished: the resumed run does not wait for them."""
+    token = secrets.token_hex(16)
+    port = _free_port()
+    checkpoints = tmp_path / "checkpoints"
+    counts = {"sim-a": 6, "sim-b": SAMPLES}
+
+    def trainer(log: Path) -> subprocess.Popen[str]:
+        args = [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), "fifo"]
+        return _start([*args, *counts], token)
+
+    first_log, second_log = tmp_path / "reads-1.log", tmp_path / "reads-2.log"
+    first = trainer(first_log)
+    short, long = (
+        _start([str(WORKERS / "stream_producer.py"), str(port), name, str(n)], token)
+        for name, n in counts.items()
+    )
+    try:
+        _wait(short, 30, "the short producer")  # done, acknowledged, gone
+        done_by = _epoch_of_latest(checkpoints)
+        deadline = time.monotonic() + 60
+        while _epoch_of_latest(checkpoints) < done_by + 2:  # a checkpoint that knows it is done
+            assert first.poll() is None, f"the trainer ended before it was killed:\n{first.communicate()[0]}"
+            assert time.monotonic() < deadline, "no checkpoint after the short producer finished within 60 s"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=10)
+        resumed_at = _epoch_of_latest(checkpoints)
+        assert long.poll() is None, "the long producer ended before the kill"
+        out = _wait(trainer(second_log), 60, "the resumed trainer (waiting for a producer that is gone?)")
+        _wait(long, 30, "the long producer")
+    finally:
+        for process in (first, short, long):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    assert "finished at epoch" in out
+    kept = [(p, s) for e, p, s in _reads(first_log) if e < resumed_at] + [
+        (p, s) for _, p, s in _reads(second_log)
+    ]
+    assert Counter(kept) == Counter({(name, seq): 1 for name, n in counts.items() for seq in range(n)})

@@ -7,8 +7,8 @@ the rest.  The order matters, because the receiver tells reconnecting producers 
 holds as soon as it is open::
 
     stream = StreamState(buffer)
-    acknowledged = stream.restore(checkpoint_dir)  # before the receiver: {} on a fresh run
-    async with SampleReceiver(buffer, acknowledged=acknowledged, ...) as receiver:
+    stream.restore(checkpoint_dir)  # before the receiver: nothing on a fresh run
+    async with stream.open_receiver(token=token, producers=names) as receiver:
         await lamploop.fit_async(..., checkpoint_dir=checkpoint_dir,
                                  checkpoint_extras={"stream": stream})
 
@@ -25,15 +25,16 @@ Checkpoints are taken at epoch ends (``fit`` refuses step-boundary checkpoints w
 extras), where the model and optimizer reflect exactly the reads done, the buffer exactly
 the samples not yet fully read, and the acknowledged positions exactly what was received:
 after a crash, everything after the checkpoint (updates, reads, receipts) is discarded and
-replayed, so every sample is read as often as the buffer's policy says.
+replayed, so every sample is read as often as the buffer's policy says.  The producers
+that had finished are in the checkpoint too: a resumed run does not wait for them.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 import anyio
 import anyio.from_thread
@@ -45,27 +46,30 @@ from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint
 from lamploop.distributed.launch import launch_env
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.streaming.buffers import StreamBuffer
+from lamploop.streaming.receiver import SampleReceiver
 
-if TYPE_CHECKING:
-    from lamploop.streaming.receiver import SampleReceiver
-
-__all__ = ["STREAM_EXTRA", "StreamState"]
+__all__ = ["STREAM_EXTRA", "StreamState", "producer_rank", "producers_of_rank"]
 
 STREAM_EXTRA: Final = "stream"
 """The name :meth:`StreamState.restore` looks for by default (``checkpoint_extras={"stream": ...}``)."""
 
 
 class StreamState:
-    """A rank's stream buffer as a :class:`~lamploop.checkpoint.extras.CheckpointExtra`.
+    """A rank's stream (its buffer, and what its receiver recorded) as a checkpoint extra.
 
-    Call :meth:`restore` before the receiver opens; ``fit``'s own restore on resume then
-    finds the buffer restored from that same state and leaves it alone.
+    The extra's tensors are the buffer's; its meta is ``{"buffer": <the buffer's meta>,
+    "producers_done": [...]}``: the producers that had finished, so that a resumed run does
+    not wait for a producer that is gone.  Call :meth:`restore` before the receiver opens,
+    and open the receiver with :meth:`open_receiver` (it passes the restored positions on);
+    ``fit``'s own restore on resume then finds the state restored and leaves it alone.
 
     With several ranks (each with its own buffer and receiver) it is also
-    :class:`~lamploop.checkpoint.extras.RankAware`: when the ranks meet, each announces its
-    receiver's address, and the root's receiver then hands producers out round-robin to
-    every rank's (:meth:`~lamploop.streaming.receiver.SampleReceiver.set_directory`);
-    :meth:`wait_ranks_joined` tells when (start the producers after it to spread them).
+    :class:`~lamploop.checkpoint.extras.RankAware`: the producers know only the root's
+    receiver, which hands each out to a rank by a fixed round-robin of their names
+    (:func:`producers_of_rank`); when the ranks meet, each announces its receiver's address
+    and the root's receiver starts handing out
+    (:meth:`~lamploop.streaming.receiver.SampleReceiver.set_directory`).  Producers that
+    arrive earlier wait for that.
 
     Make it on the event loop the buffer lives on: its state is read there, also when a
     rank's training thread asks for it.
@@ -73,25 +77,69 @@ class StreamState:
     Args:
         buffer: the buffer the receiver fills and ``buffer_batches`` reads.
         name: the extra's name in ``checkpoint_extras`` (what :meth:`restore` looks for).
-        receiver: this rank's receiver (into ``buffer``), to spread producers over the
-            ranks; ``None`` with one rank or when the producers know every rank's address.
     """
 
-    def __init__(
-        self, buffer: StreamBuffer, *, name: str = STREAM_EXTRA, receiver: SampleReceiver | None = None
-    ) -> None:
+    def __init__(self, buffer: StreamBuffer, *, name: str = STREAM_EXTRA) -> None:
         self.buffer = buffer
         self.name = name
-        self.receiver = receiver
+        self.receiver: SampleReceiver | None = None
+        self._producers_done: list[str] = []  # restored
         self._restored: Any = None  # the meta restore() loaded, None before
         self._loop_thread = threading.get_ident()
         self._token = _current_token()
         self._joined = anyio.Event() if self._token is not None else None
 
+    def open_receiver(
+        self,
+        *,
+        token: bytes | str,
+        producers: Sequence[str],
+        nranks: int = 1,
+        rank: int | None = None,
+        **options: Any,
+    ) -> SampleReceiver:
+        """This rank's receiver into the buffer, with the restored positions; enter it with ``async with``.
+
+        Args:
+            token: the secret shared with the producers.
+            producers: every producer's name (of all ranks); this rank's receiver waits for
+                its share of them (:meth:`~lamploop.streaming.receiver.SampleReceiver.wait_all_done`).
+            nranks: the run's number of ranks.
+            rank: this rank (default: the launcher's, else 0).
+            options: more :class:`~lamploop.streaming.receiver.SampleReceiver` arguments
+                (``host``, ``port``, ``ssl_context``...).
+
+        Raises:
+            ConfigurationError: a receiver was opened already, or an argument is out of range.
+        """
+        if self.receiver is not None:
+            msg = f"stream state {self.name!r}: open_receiver was called before; a stream has one receiver"
+            raise ConfigurationError(msg)
+        rank = _this_rank(rank)
+        names = list(producers)
+        if nranks > 1:
+            options.setdefault("directory_assignments", {n: producer_rank(names, n, nranks) for n in names})
+        self.receiver = SampleReceiver(
+            self.buffer,
+            token=token,
+            acknowledged=self.buffer.last_seqs(),
+            producers_done=self._producers_done,
+            expected_producers=producers_of_rank(names, rank, nranks),
+            **options,
+        )
+        return self.receiver
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The buffer's state now (its meta includes ``last_seq``, the acknowledged positions)."""
-        state: tuple[dict[str, torch.Tensor], dict[str, Any]] = self._on_loop(self.buffer.state_dict)
+        """The buffer's state now (with ``last_seq``, the acknowledged positions) and the producers done."""
+        state: tuple[dict[str, torch.Tensor], dict[str, Any]] = self._on_loop(self._capture)
         return state
+
+    def _capture(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, buffer_meta = self.buffer.state_dict()
+        done = (
+            sorted(self.receiver.producers_done) if self.receiver is not None else list(self._producers_done)
+        )
+        return tensors, {"buffer": buffer_meta, "producers_done": done}
 
     def _on_loop(self, read: Any) -> Any:
         """``read()`` on the buffer's event loop: a training thread must not race the receiver's puts."""
@@ -107,13 +155,13 @@ class StreamState:
         return [host, port]
 
     def ranks_joined(self, infos: list[Any], rank: int) -> None:
-        """On the root: hand the producers out over every rank's receiver (see the class)."""
+        """On the root: start handing the producers out over every rank's receiver (see the class)."""
         if rank == 0 and self.receiver is not None and len(infos) > 1:
             if any(info is None for info in infos):
                 missing = [r for r, info in enumerate(infos) if info is None]
                 msg = (
-                    f"stream state {self.name!r}: ranks {missing} have no receiver "
-                    "(StreamState(receiver=...)), so the root cannot hand producers out to them"
+                    f"stream state {self.name!r}: ranks {missing} opened no receiver "
+                    "(StreamState.open_receiver), so the root cannot hand producers out to them"
                 )
                 raise ConfigurationError(msg)
             addresses = [(str(host), int(port)) for host, port in infos]
@@ -133,9 +181,10 @@ class StreamState:
         """Restore the buffer, unless :meth:`restore` already did from this same state.
 
         Raises:
-            CheckpointError: the buffer already took samples (the receiver was opened before
-                the stream was restored: restoring now would drop them although they were
-                acknowledged), or :meth:`restore` loaded another state.
+            CheckpointError: the meta is not a stream state's, the buffer already took samples
+                (the receiver was opened before the stream was restored: restoring now would
+                drop them although they were acknowledged), or :meth:`restore` loaded another
+                state.
         """
         if self._restored is not None:
             if self._restored != meta:
@@ -149,16 +198,33 @@ class StreamState:
             msg = (
                 f"stream state {self.name!r}: the buffer already took {self.buffer.received} samples; "
                 "restoring it now would drop them although the receiver acknowledged them. Call "
-                "StreamState.restore(checkpoint_dir) before opening the SampleReceiver, and pass it "
-                "the acknowledged positions that restore returns"
+                "StreamState.restore(checkpoint_dir) before opening the receiver"
             )
             raise CheckpointError(msg)
-        self.buffer.load_state_dict(tensors, meta)
+        buffer_meta, done = self._parse(meta)
+        self.buffer.load_state_dict(tensors, buffer_meta)
+        self._producers_done = done
+
+    def _parse(self, meta: Any) -> tuple[Mapping[str, Any], list[str]]:
+        if not (
+            isinstance(meta, Mapping)
+            and set(meta) == {"buffer", "producers_done"}
+            and isinstance(meta["buffer"], Mapping)
+            and isinstance(meta["producers_done"], list)
+            and all(isinstance(n, str) for n in meta["producers_done"])
+        ):
+            keys = sorted(meta) if isinstance(meta, Mapping) else type(meta).__name__
+            msg = (
+                f"stream state {self.name!r}: the checkpoint's meta is not a stream state's "
+                f"(expected the keys buffer and producers_done, got {keys})"
+            )
+            raise CheckpointError(msg)
+        return meta["buffer"], list(meta["producers_done"])
 
     def restore(
         self, checkpoint_dir: str | os.PathLike[str] | None, *, rank: int | None = None
     ) -> dict[str, int]:
-        """Load the latest checkpoint's stream state into the buffer; the receiver's ``acknowledged=``.
+        """Load the latest checkpoint's stream state; the receiver's ``acknowledged=``.
 
         Returns ``{}`` (nothing restored) when ``checkpoint_dir`` is ``None`` or holds no
         checkpoint yet.  Reads the same checkpoint ``fit(resume=True)`` then resumes from:
@@ -177,11 +243,8 @@ class StreamState:
         """
         if checkpoint_dir is None or latest_checkpoint(checkpoint_dir) is None:
             return {}
-        if rank is None:
-            env = launch_env()
-            rank = env.rank if env is not None else 0
         checkpoint = load_checkpoint(checkpoint_dir)
-        name = rank_extra_name(self.name, rank)
+        name = rank_extra_name(self.name, _this_rank(rank))
         saved = checkpoint.extras.get(name)
         if saved is None:
             have = sorted(checkpoint.extras) or "none"
@@ -192,12 +255,36 @@ class StreamState:
             )
             raise CheckpointError(msg)
         tensors, meta = saved
-        self.buffer.load_state_dict(tensors, meta)
+        buffer_meta, done = self._parse(meta)
+        self.buffer.load_state_dict(tensors, buffer_meta)
+        self._producers_done = done
         self._restored = meta
         return self.buffer.last_seqs()
 
+    @property
+    def producers_done(self) -> list[str]:
+        """The producers that had finished, as restored (give them to a receiver you open yourself)."""
+        return list(self._producers_done)
+
     def __repr__(self) -> str:
         return f"StreamState({type(self.buffer).__name__}, name={self.name!r})"
+
+
+def producer_rank(producers: Sequence[str], name: str, nranks: int) -> int:
+    """The rank that trains on producer ``name``'s samples: round-robin over the sorted names."""
+    return sorted(producers).index(name) % nranks
+
+
+def producers_of_rank(producers: Sequence[str], rank: int, nranks: int) -> list[str]:
+    """The producers whose samples rank ``rank`` of ``nranks`` trains on (see :func:`producer_rank`)."""
+    return sorted(producers)[rank::nranks]
+
+
+def _this_rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    env = launch_env()
+    return env.rank if env is not None else 0
 
 
 def _current_token() -> Any:

@@ -24,7 +24,6 @@ import lamploop
 from lamploop.batches import BatchContext
 from lamploop.streaming import FifoBuffer, FiroBuffer, Sample, StreamState, buffer_batches
 from lamploop.streaming.batches import stack_samples
-from lamploop.streaming.receiver import SampleReceiver
 
 BATCH_SIZE = 4
 BATCHES_PER_EPOCH = 2
@@ -43,7 +42,7 @@ async def main(argv: Sequence[str]) -> None:
     kind = {"fifo": (FifoBuffer, 1), "firo": (FiroBuffer, 2)}[policy]
     buffer = kind[0](capacity=16, watermark=8, seed=0, max_reads=kind[1], on_read=on_read)
     stream = StreamState(buffer)
-    acknowledged = stream.restore(checkpoint_dir)  # before the receiver opens
+    stream.restore(checkpoint_dir)  # before the receiver opens
     stack = stack_samples()
 
     def collate(samples: Sequence[Sample]) -> Any:
@@ -62,9 +61,7 @@ async def main(argv: Sequence[str]) -> None:
     model = lamploop.SupervisedModel(torch.nn.Linear(3, 1), lamploop.mse_loss)
     token = os.environ["LAMPLOOP_STREAM_TOKEN"]
     async with (
-        SampleReceiver(
-            buffer, port=int(port), token=token, acknowledged=acknowledged, expected_producers=names
-        ) as receiver,
+        stream.open_receiver(token=token, producers=names, port=int(port)) as receiver,
         anyio.create_task_group() as tg,
     ):
 

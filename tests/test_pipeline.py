@@ -5,7 +5,8 @@ trains, with micro-batches, exactly as one process trains the whole model (float
 1e-6): losses of every epoch, parameters after every epoch (read back from each stage's
 checkpoints), for the GPipe and the 1F1B schedule, and a run resumed from checkpoints.
 Then one stage is SIGKILLed mid-run: the other fails with a DistributedError within
-seconds, far inside its 60 s timeout.  The rest runs in this process, on a 1-rank group:
+seconds, far inside its 60 s timeout; and in another pair, one stage is frozen (SIGSTOP):
+the other fails at its 5 s timeout.  The rest runs in this process, on a 1-rank group:
 micro-batches and a loss that counts examples otherwise than rows, and the refusals.
 """
 
@@ -18,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndO
 ATOL = 1e-6
 ROOT = Path(__file__).resolve().parent.parent  # the stage processes import lamploop from here
 KILL_TIMEOUT_S = 60.0  # the group's timeout in the kill run: the failure must come long before it
+FREEZE_TIMEOUT_S = 5.0  # the group's timeout in the freeze run: the failure comes with it
 RUNS = [
     {
         "name": "gpipe",
@@ -89,23 +92,44 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[worker.Processes, Path]]:
-    """Two stage processes running RUNS in turn (the last one until a test kills a stage)."""
-    workdir = tmp_path_factory.mktemp("pipeline")
+Pair = tuple[worker.Processes, Path]
+
+
+def _start_pair(stack: ExitStack, workdir: Path, timeout: float, runs: list[dict[str, Any]]) -> Pair:
     config = {
         "workdir": str(workdir),
         "port": free_port(),
         "world_size": 2,
-        "timeout": KILL_TIMEOUT_S,
-        "runs": RUNS,
+        "timeout": timeout,
+        "join_timeout": 120,
+        "runs": runs,
     }
     (workdir / "config.json").write_text(json.dumps(config))
-    with worker.Processes(workdir) as procs:
-        for rank in (0, 1):
-            argv = [sys.executable, str(Path(stage_worker.__file__)), str(workdir / "config.json"), str(rank)]
-            procs.start(f"stage{rank}", argv, env=worker.worker_env(PYTHONPATH=str(ROOT)))
-        yield procs, workdir
+    procs = stack.enter_context(worker.Processes(workdir))
+    for rank in (0, 1):
+        argv = [sys.executable, str(Path(stage_worker.__file__)), str(workdir / "config.json"), str(rank)]
+        procs.start(f"stage{rank}", argv, env=worker.worker_env(PYTHONPATH=str(ROOT)))
+    return procs, workdir
+
+
+@pytest.fixture(scope="module")
+def stage_pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair]]:
+    """Two pairs of stage processes, started together: ``"kill"`` runs RUNS in turn (the last
+    one until a test kills a stage); ``"freeze"`` waits for a ``go`` file, then runs long."""
+    frozen_run = {**RUNS[-1], "wait_for": "go"}
+    with ExitStack() as stack:
+        yield {
+            "kill": _start_pair(stack, tmp_path_factory.mktemp("pipeline"), KILL_TIMEOUT_S, RUNS),
+            "freeze": _start_pair(stack, tmp_path_factory.mktemp("frozen"), FREEZE_TIMEOUT_S, [frozen_run]),
+        }
+
+
+def _wait_for_progress(procs: worker.Processes, path: Path, at_least: int) -> None:
+    deadline = time.monotonic() + 90
+    while not (path.exists() and path.read_text().strip() and int(path.read_text()) >= at_least):
+        procs.check_alive(["stage0", "stage1"])
+        assert time.monotonic() < deadline, procs.logs()
+        time.sleep(0.05)
 
 
 def _reference(epochs: int) -> tuple[LoopState, list[dict[str, torch.Tensor]]]:
@@ -155,10 +179,8 @@ def _result(workdir: Path, run: str, rank: int) -> dict[str, Any]:
     return json.loads((workdir / run / f"rank{rank}.json").read_text())
 
 
-def test_two_stages_on_two_processes_train_like_one_process(
-    two_stages: tuple[worker.Processes, Path],
-) -> None:
-    procs, workdir = two_stages
+def test_two_stages_on_two_processes_train_like_one_process(stage_pairs: dict[str, Pair]) -> None:
+    procs, workdir = stage_pairs["kill"]
     want, want_params = _reference(3)  # meanwhile the stages start and train
     for run in ("gpipe", "1f1b", "half", "resumed"):
         for rank in (0, 1):
@@ -189,16 +211,9 @@ def test_two_stages_on_two_processes_train_like_one_process(
         _assert_close(saved, want_params[epoch - 1], f"gpipe after epoch {epoch}")
 
 
-def test_a_stage_killed_mid_run_fails_the_other_within_seconds(
-    two_stages: tuple[worker.Processes, Path],
-) -> None:
-    procs, workdir = two_stages
-    progress = workdir / "long" / "progress-0"
-    deadline = time.monotonic() + 90
-    while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 10):
-        procs.check_alive(["stage0", "stage1"])
-        assert time.monotonic() < deadline, procs.logs()
-        time.sleep(0.05)
+def test_a_stage_killed_mid_run_fails_the_other_within_seconds(stage_pairs: dict[str, Pair]) -> None:
+    procs, workdir = stage_pairs["kill"]
+    _wait_for_progress(procs, workdir / "long" / "progress-0", 10)
     killed = time.monotonic()
     os.kill(procs.procs["stage1"].pid, signal.SIGKILL)
     code = procs.wait("stage0", timeout=KILL_TIMEOUT_S / 2)
@@ -210,6 +225,24 @@ def test_a_stage_killed_mid_run_fails_the_other_within_seconds(
     assert "LamploopError" in result["mro"]
     assert "pipeline stage 0" in result["message"], result["message"]
     assert "another stage died" in result["message"], result["message"]
+
+
+def test_a_frozen_stage_fails_the_other_at_the_timeout(stage_pairs: dict[str, Pair]) -> None:
+    procs, workdir = stage_pairs["freeze"]
+    (workdir / "go").write_text("")
+    _wait_for_progress(procs, workdir / "long" / "progress-0", 5)
+    frozen = time.monotonic()
+    os.kill(procs.procs["stage1"].pid, signal.SIGSTOP)  # alive, connections open, silent
+    code = procs.wait("stage0", timeout=FREEZE_TIMEOUT_S + 25)
+    took = time.monotonic() - frozen
+    assert code == 1, procs.logs()
+    assert FREEZE_TIMEOUT_S - 1 < took < FREEZE_TIMEOUT_S + 15, (
+        f"stage 0 failed {took:.1f} s after the freeze"
+    )
+    result = _result(workdir, "long", 0)
+    assert result["type"] == "DistributedError", result
+    assert "did not answer within the group's timeout" in result["message"], result["message"]
+    assert "Timed out" in result["message"], result["message"]  # Gloo's timeout, not a closed connection
 
 
 # -- one process: a pipeline of one stage, and the refusals -------------------------------------

@@ -54,6 +54,7 @@ def open_pipeline_group(
     host: str,
     port: int,
     timeout: float = DEFAULT_PIPELINE_TIMEOUT_S,
+    join_timeout: float | None = None,
 ) -> Iterator[PipelineGroup]:
     """Join the pipeline's Gloo process group (this process's default group) for the ``with`` block.
 
@@ -67,12 +68,15 @@ def open_pipeline_group(
         rank: this process's rank (the stage it runs).
         world_size: the number of ranks (stages).
         host, port: where rank 0's store listens (every rank passes the same).
-        timeout: seconds that joining, and later every send, receive and sum, may wait.
+        timeout: seconds that every send, receive and sum may wait: a stage that hangs is
+            found after this long.
+        join_timeout: seconds to wait for every rank to join (processes start at different
+            times; default: ``max(timeout, 300)``).
 
     Raises:
         ConfigurationError: bad arguments, or this process already has a default group.
         DistributedError: the store could not be opened or reached, or the other ranks did
-            not join within ``timeout``.
+            not join within ``join_timeout``.
     """
     check_int("open_pipeline_group: world_size", world_size, 1)
     check_int("open_pipeline_group: rank", rank, 0)
@@ -81,28 +85,41 @@ def open_pipeline_group(
         raise ConfigurationError(msg)
     check_int("open_pipeline_group: port", port, 1)
     seconds = check_seconds("open_pipeline_group: timeout", timeout)
+    if join_timeout is None:
+        join_seconds = max(seconds, DEFAULT_PIPELINE_TIMEOUT_S)
+    else:
+        join_seconds = check_seconds("open_pipeline_group: join_timeout", join_timeout)
     if dist.is_initialized():
         msg = (
             "open_pipeline_group: this process already has a default process group; "
             "a pipeline needs it for itself (one pipeline per process)"
         )
         raise ConfigurationError(msg)
-    span = datetime.timedelta(seconds=seconds)
+    joining = datetime.timedelta(seconds=join_seconds)
     try:
         store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=span, wait_for_workers=False
+            host, port, world_size, is_master=rank == 0, timeout=joining, wait_for_workers=False
         )
     except (RuntimeError, OSError) as exc:
         what = "open its store on" if rank == 0 else "reach rank 0's store at"
         msg = f"pipeline rank {rank}: cannot {what} {host}:{port}: {exc}"
         raise DistributedError(msg) from exc
+    scoped = dist.PrefixStore(_PREFIX, store)
     try:
+        # Everyone here first, within join_timeout: Gloo's own set-up waits only `timeout`.
+        scoped.set(f"joined/{rank}", "1")
+        scoped.wait([f"joined/{r}" for r in range(world_size)], joining)
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore(_PREFIX, store), rank=rank, world_size=world_size, timeout=span
+            "gloo",
+            store=scoped,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=seconds),
         )
     except (RuntimeError, OSError) as exc:
         msg = (
-            f"pipeline rank {rank} of {world_size}: the other ranks did not join within {seconds:g} s: {exc}"
+            f"pipeline rank {rank} of {world_size}: the other ranks did not join within "
+            f"{join_seconds:g} s: {exc}"
         )
         raise DistributedError(msg) from exc
     try:

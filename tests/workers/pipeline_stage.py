@@ -2,13 +2,14 @@
 
     python tests/workers/pipeline_stage.py CONFIG.json RANK
 
-``CONFIG.json``: ``{"workdir", "port", "world_size", "timeout", "runs": [run, ...]}``.  The
+``CONFIG.json``: ``{"workdir", "port", "world_size", "timeout", "join_timeout", "runs": [run, ...]}``.  The
 process joins the pipeline's process group once (rank 0 hosts the store on 127.0.0.1:port)
 and trains the runs in turn.  A run's keys: ``name``, ``boundaries``, ``n_microbatches``,
 ``schedule``, ``epochs``, and optionally ``checkpoint`` (save every epoch into
 ``<workdir>/<checkpoint>``), ``resume`` (start from ``<workdir>/<resume>``'s newest common
-checkpoint) and ``progress`` (write the number of batches trained so far to
-``<workdir>/<name>/progress-<rank>`` after each one).
+checkpoint), ``progress`` (write the number of batches trained so far to
+``<workdir>/<name>/progress-<rank>`` after each one) and ``wait_for`` (start only once
+``<workdir>/<wait_for>`` exists; at most 120 s).
 
 Each rank writes ``<workdir>/<name>/rank<r>.json`` (``{"ok": true, "state": LoopState}`` or
 the error's type, class names and message) and ``rank<r>.safetensors`` (its stage's
@@ -90,6 +91,10 @@ def _counted(factory: BatchStreamFactory, path: Path) -> BatchStreamFactory:
 async def _run(run: dict[str, Any], workdir: Path, rank: int, world_size: int) -> None:
     out = workdir / run["name"]
     out.mkdir(parents=True, exist_ok=True)
+    if run.get("wait_for"):
+        with anyio.fail_after(120):
+            while not (workdir / run["wait_for"]).exists():  # noqa: ASYNC110 (a file from the test)
+                await anyio.sleep(0.05)
     spec = PipelineSpec(tuple(run["boundaries"]), run["n_microbatches"], run["schedule"])
     model = build_model()
     train, valid = build_data()
@@ -144,7 +149,12 @@ def main(argv: list[str]) -> int:
     workdir = Path(config["workdir"])
     torch.set_num_threads(1)
     with open_pipeline_group(
-        rank=rank, world_size=world_size, host="127.0.0.1", port=config["port"], timeout=config["timeout"]
+        rank=rank,
+        world_size=world_size,
+        host="127.0.0.1",
+        port=config["port"],
+        timeout=config["timeout"],
+        join_timeout=config["join_timeout"],
     ):
         for run in config["runs"]:
             anyio.run(functools.partial(_run, run, workdir, rank, world_size))

@@ -33,6 +33,7 @@ from workers import rank as worker
 from lamploop.batches import tensor_batches
 from lamploop.distributed import drive_distributed_training
 from lamploop.errors import BatchError, CheckpointError, ConfigurationError, LamploopError
+from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.model import SupervisedModel, cross_entropy_loss
 from lamploop.pipeline import (
     PipelineSpec,
@@ -43,6 +44,7 @@ from lamploop.pipeline import (
     stage_checkpointer,
     train_pipeline,
 )
+from lamploop.schedules import decrement
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData, converter
 
 ATOL = 1e-6
@@ -272,8 +274,10 @@ def test_one_stage_with_micro_batches_equals_one_process(one_rank: None, loss: A
             optimizer_factory=stage_worker.optimizer,
             train_batches=train,
             validation_batches=valid,
-            max_epochs=2,
+            max_epochs=3,
             loss=loss,
+            learning_rate_schedule=decrement(every=1, fraction=0.5),
+            return_min_validation_loss_model=ALL_EPOCHS,
         )
 
     reference = stage_worker.build_model()
@@ -287,11 +291,17 @@ def test_one_stage_with_micro_batches_equals_one_process(one_rank: None, loss: A
             optimizer_factory=stage_worker.optimizer,
             train_batches=train,
             validation_batches=valid,
-            max_epochs=2,
+            max_epochs=3,
+            learning_rate_schedule=decrement(every=1, fraction=0.5),
+            return_min_validation_loss_model=ALL_EPOCHS,
         )
 
-    _assert_same_curve(anyio.run(pipeline), anyio.run(one_process))
-    _assert_close(model.state_dict(), reference.state_dict(), "one stage")
+    got, want = anyio.run(pipeline), anyio.run(one_process)
+    _assert_same_curve(got, want)
+    assert [e.learning_rate_factor for e in got.learning_curve] == [1.0, 0.5, 0.25]
+    assert got.min_validation_epoch == want.min_validation_epoch
+    assert want.min_validation_epoch is not None
+    _assert_close(model.state_dict(), reference.state_dict(), "one stage")  # both hold the best epoch's
 
 
 def _train(model: torch.nn.Module, spec: PipelineSpec, batch_size: int = 12, **kwargs: Any) -> LoopState:

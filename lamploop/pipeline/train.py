@@ -27,7 +27,7 @@ from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint.restore import restore_optimizer_state
 from lamploop.distributed.replica import learning_rates, set_learning_rate_factor
 from lamploop.distributed.root_setup import OptimizerFactory
-from lamploop.errors import BatchError, CheckpointError, ConfigurationError
+from lamploop.errors import BatchError, CheckpointError, ConfigurationError, NonFiniteLossError
 from lamploop.loop.batch_checks import check_stream, prepare, where
 from lamploop.loop.epoch_driver import epochs
 from lamploop.model import LossFunction, cross_entropy_loss
@@ -147,7 +147,7 @@ class _StageEpochs:
         loss = total / count
         if not math.isfinite(loss):
             msg = f"pipeline: epoch {self.epoch}: the validation loss is {loss}"
-            raise BatchError(msg)
+            raise NonFiniteLossError(msg, epoch=self.epoch, batch=None)
         return loss
 
     async def save_best(self) -> None:
@@ -225,7 +225,8 @@ async def train_pipeline(
         BatchError: a malformed batch, or one whose size is not a multiple of
             ``spec.n_microbatches`` (on every rank alike: they read the same stream), or
             the stage or its loss failed on a batch.
-        NonFiniteLossError: a step's loss was NaN or infinite (on every rank, before its step).
+        NonFiniteLossError: a step's loss was NaN or infinite (on every rank, before its step),
+            or the validation loss was.
         DistributedError: another stage died, or did not answer within the group's timeout.
         CheckpointError: ``init_state`` does not fit this stage.
     """

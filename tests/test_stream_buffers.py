@@ -491,6 +491,55 @@ def test_duplicates_and_puts_after_close_are_refused() -> None:
     assert buffer.received == 3
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(sorted(POLICIES)),
+    seed=st.integers(0, 2**32),
+    capacity=st.integers(1, 6),
+    steps=st.lists(st.one_of(st.integers(1, 8), st.just(0)), max_size=12),  # 0: a get, n: n puts
+)
+def test_try_put_many_is_try_put_on_each_until_one_does_not_fit(
+    policy: str, seed: int, capacity: int, steps: list[int]
+) -> None:
+    """The same prefix taken, the same evictions, draws, counters and state as single puts."""
+    evicted_many: list[tuple[Key, int]] = []
+    evicted_one: list[tuple[Key, int]] = []
+    many = _make(policy, capacity, 1, seed, 2, on_evict=lambda k, s: evicted_many.append((k, s)))
+    one = _make(policy, capacity, 1, seed, 2, on_evict=lambda k, s: evicted_one.append((k, s)))
+    seq = 0
+    for step in steps:
+        if step == 0:
+            got_many, got_one = many.try_get(), one.try_get()
+            assert (got_many and got_many.key) == (got_one and got_one.key)
+            continue
+        batch = [_sample("ab"[i % 2], seq + i) for i in range(step)]
+        taken = many.try_put_many(batch)
+        singles = 0
+        while singles < step and one.try_put(batch[singles]):
+            singles += 1
+        assert taken == singles
+        seq += taken
+    assert evicted_many == evicted_one
+    assert many.stats() == one.stats()
+    assert list(many.seen_counts().items()) == list(one.seen_counts().items())
+    assert many.state_dict()[1] == one.state_dict()[1]
+
+
+def test_try_put_many_checks_every_sample_before_taking_any() -> None:
+    buffer = FifoBuffer(capacity=4, watermark=1)
+    buffer.try_put(_sample("a", 3))
+    with pytest.raises(DuplicateSampleError, match="seq 2 is not after 3"):
+        buffer.try_put_many([_sample("b", 0), _sample("a", 2)])
+    with pytest.raises(DuplicateSampleError, match="seq 5 is not after 5, the last one put or listed"):
+        buffer.try_put_many([_sample("a", 5), _sample("a", 5)])
+    assert buffer.received == 1  # nothing taken from either batch
+    assert buffer.try_put_many([]) == 0
+    assert buffer.try_put_many([_sample("a", 4), _sample("b", 0), _sample("a", 9), _sample("a", 10)]) == 3
+    buffer.close()
+    with pytest.raises(BufferClosedError, match=r"\('a', 11\) put after close"):
+        buffer.try_put_many([_sample("a", 11)])
+
+
 async def _no_batch(buffer: StreamBuffer, n: int) -> None:
     await buffer.get_batch(n)
 

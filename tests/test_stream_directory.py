@@ -163,6 +163,41 @@ async def test_restored_assignments_hold_producers_until_the_directory_then_send
     assert root.directory_assignments == {"a": 1, "b": 0}
 
 
+async def test_with_fixed_assignments_and_indexes_each_rank_serves_its_own_at_once() -> None:
+    """Every rank's receiver gets the same assignments and its own index: the root serves its
+    producers before the directory is set and holds the others; rank 1 serves those sent to it."""
+    assignments = {"a": 1, "b": 0}
+    sinks = [ListSink(), ListSink()]
+    with anyio.fail_after(30):
+        async with (
+            SampleReceiver(
+                sinks[0],
+                token=TOKEN,
+                directory_assignments=assignments,
+                directory_index=0,
+                handshake_timeout=0.3,
+            ) as root,
+            SampleReceiver(
+                sinks[1], token=TOKEN, directory_assignments=assignments, directory_index=1
+            ) as rank1,
+            anyio.create_task_group() as tg,
+        ):
+            b = await produce(root.address, "b", range(4))  # its own: served at once
+            assert b.receiver_address == root.address
+            tg.start_soon(produce, root.address, "a", range(4))
+            await anyio.sleep(0.5)
+            assert sinks[1].items == []  # "a" waits for the directory
+            with pytest.raises(
+                ConfigurationError, match="own_index=1, but this receiver's directory_index is 0"
+            ):
+                root.set_directory([rank1.address, root.address], own_index=1)
+            root.set_directory([root.address, rank1.address])
+            await eventually(lambda: len(sinks[1].items) == 4)
+    assert sinks[0].seqs("b") == list(range(4))
+    assert sinks[1].seqs("a") == list(range(4))
+    assert root.directory_assignments == rank1.directory_assignments == assignments
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

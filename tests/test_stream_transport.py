@@ -54,6 +54,7 @@ from lamploop.streaming.wire import (
     SamplesFrame,
     Welcome,
     decode_body,
+    decode_tensors,
     encode_frame,
     encode_tensors,
     producer_proof,
@@ -200,6 +201,22 @@ def test_batched_tensors_are_views_of_the_frame_unless_small_beside_it() -> None
     mixed = decode_body(bytearray(encode_frame(SamplesFrame("sim", 0, [{"s": torch.ones(2)}, *big]))[4:]))
     assert isinstance(mixed, SamplesFrame)
     assert mixed.samples[0]["s"].untyped_storage().nbytes() == 8
+
+
+def test_the_tensor_codec_reads_and_writes_what_the_reference_safetensors_does() -> None:
+    for seq in range(3):
+        tensors = tensors_for(seq)
+        ours = encode_tensors(tensors)
+        assert_sample(Sample("p", seq, safetensors.torch.load(ours)), tensors)
+        reference = safetensors.torch.save({name: t.contiguous() for name, t in tensors.items()})
+        assert len(ours) == len(reference)  # the same data and padding (the order of equal sizes may differ)
+        assert_sample(Sample("p", seq, decode_tensors(bytearray(reference))), tensors)
+    # Unaligned bytes (a bytearray whose start moved) are copied once, not viewed misaligned.
+    shifted = bytearray(b"x" + encode_tensors({"d": torch.arange(4.0, dtype=torch.float64)}))
+    del shifted[:1]
+    decoded = decode_tensors(shifted)["d"]
+    assert decoded.data_ptr() % 8 == 0
+    assert torch.equal(decoded, torch.arange(4.0, dtype=torch.float64))
 
 
 def _body(header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -810,6 +827,33 @@ async def test_a_new_connection_of_a_producer_replaces_its_old_one() -> None:
             stats = receiver.stats
     assert sink.seqs("sim") == list(range(10))
     assert stats.refusals == stats.duplicates == 0
+
+
+async def test_batches_stay_under_the_receivers_frame_limit_and_a_sample_over_it_fails_clearly() -> None:
+    sink = ListSink()
+    small = {"x": torch.arange(200.0)}  # 896 bytes of safetensors: several fit in 8 KiB frames
+    with anyio.fail_after(20):
+        async with SampleReceiver(sink, token=TOKEN, max_frame_bytes=8192) as receiver:
+            async with AsyncProducer(
+                receiver.address, name="sim", token=TOKEN, resend_window=256
+            ) as producer:
+                for _ in range(300):
+                    await producer.send(small)
+                await producer.done()
+            assert receiver.refusals == 0
+            assert sink.seqs("sim") == list(range(300))
+            assert receiver.stats.bytes > 300 * 800
+
+            async def too_big() -> None:
+                async with AsyncProducer(receiver.address, name="big", token=TOKEN) as producer:
+                    await producer.send({"x": torch.zeros(4096)})  # 16 KiB: under the producer's limit
+                    await producer.done()
+
+            with pytest.raises(
+                StreamingError, match=r"sample 0 cannot be sent to the receiver at .* limit of 8192"
+            ):
+                await too_big()
+            assert receiver.refusals == 0  # never sent: the producer knew the limit from the Welcome
 
 
 async def test_an_idle_producer_is_closed_and_connects_again_when_it_has_more() -> None:

@@ -41,13 +41,21 @@ class ProducerDirectory:
     """The producers' assignment to ranks (restored, or empty), and the ranks' addresses once known.
 
     Args:
-        assignments: producer name -> rank index, from a checkpoint (:attr:`assignments`).
+        assignments: producer name -> rank index, from a checkpoint (:attr:`assignments`), or
+            fixed beforehand.
+        own_index: this receiver's rank index, if known before :meth:`set_addresses`: its own
+            producers are then served at once, before the addresses are known.
 
     Raises:
         ConfigurationError: a name is not a producer's name, or an index not an int >= 0.
     """
 
-    def __init__(self, assignments: Mapping[str, int] | None = None) -> None:
+    def __init__(self, assignments: Mapping[str, int] | None = None, *, own_index: int | None = None) -> None:
+        if own_index is not None and (
+            not isinstance(own_index, int) or isinstance(own_index, bool) or own_index < 0
+        ):
+            msg = f"directory_index must be a rank index (an int >= 0), got {own_index!r:.40}"
+            raise ConfigurationError(msg)
         self._assigned: dict[str, int] = {}
         for name, index in (assignments or {}).items():
             reason = check_producer_name(name)
@@ -59,12 +67,15 @@ class ProducerDirectory:
                 raise ConfigurationError(msg)
             self._assigned[name] = index
         self._addresses: tuple[tuple[str, int], ...] | None = None
-        self._own = 0
+        self._own = own_index
 
-    @property
-    def restored(self) -> bool:
-        """Whether assignments were restored: producers must then wait for the addresses."""
-        return bool(self._assigned) and self._addresses is None
+    def must_wait(self, name: str) -> bool:
+        """Whether producer ``name`` must wait for the addresses: it is assigned to another
+        receiver (or to one unknown, ``own_index`` not given) and the addresses are not known yet.
+        An unassigned producer never waits: taken before the addresses, it stays here."""
+        if self._addresses is not None or name not in self._assigned:
+            return False
+        return self._own is None or self._assigned[name] != self._own
 
     @property
     def ready(self) -> bool:
@@ -77,9 +88,14 @@ class ProducerDirectory:
         return dict(self._assigned)
 
     def set_addresses(
-        self, addresses: Sequence[tuple[str, int]], *, own_index: int, served: Iterable[str] = ()
+        self,
+        addresses: Sequence[tuple[str, int]],
+        *,
+        own_index: int | None = None,
+        served: Iterable[str] = (),
     ) -> None:
-        """Learn every rank's receiver address; ``own_index`` is this receiver's.
+        """Learn every rank's receiver address; ``own_index`` is this receiver's (default: the one
+        given when made, else 0).
 
         The producers in ``served`` (those this receiver took before it knew the addresses) stay
         with it: they are assigned ``own_index`` unless assigned already.
@@ -96,6 +112,11 @@ class ProducerDirectory:
             msg = f"the directory is a non-empty sequence of (host, port) pairs, got {addresses!r:.80}"
             raise ConfigurationError(msg)
         checked = tuple(_address(f"addresses[{i}]", value) for i, value in enumerate(addresses))
+        if own_index is None:
+            own_index = 0 if self._own is None else self._own
+        elif self._own is not None and own_index != self._own:
+            msg = f"own_index={own_index!r:.40}, but this receiver's directory_index is {self._own}"
+            raise ConfigurationError(msg)
         if not isinstance(own_index, int) or isinstance(own_index, bool) or not 0 <= own_index < len(checked):
             msg = f"own_index must be in [0, {len(checked) - 1}], got {own_index!r:.40}"
             raise ConfigurationError(msg)
@@ -116,7 +137,7 @@ class ProducerDirectory:
         if self._addresses is None:
             return None
         index = self._assigned.get(name)
-        if index is None:
+        if index is None:  # the rank with the fewest producers (the lowest such): round-robin
             counts = [0] * len(self._addresses)
             for assigned in self._assigned.values():
                 counts[assigned] += 1

@@ -87,7 +87,6 @@ logger = logging.getLogger("lamploop.streaming")
 _WRITE_BATCH_BYTES = 256 * 1024
 """A batch frame is cut at this many bytes of samples (a small multiple of a large sample, so
 that the receiver's zero-copy views of a frame do not pin much more than the sample)."""
-_HEADER_ROOM = 64 * 1024  # the most a batch's JSON header takes (sizes and a 200-byte name)
 
 BLOCKING_AHEAD = 32
 """How many samples a :class:`BlockingProducer`'s caller may hand over before the loop keeps them."""
@@ -615,15 +614,20 @@ class AsyncProducer:
             return None
         first = self._frames[0][0]
         start = max(after + 1 - first, 0)
-        limit = min(_WRITE_BATCH_BYTES, self._receiver_limit - _HEADER_ROOM)
+        # The header takes at most 100 bytes, 6 per byte of the name (JSON escapes), 21 per size.
+        header = 100 + 6 * len(self.name.encode())
         payloads: list[bytes] = []
         size = 0
         for index in range(start, min(len(self._frames), start + MAX_SAMPLES_PER_FRAME)):
             payload = self._frames[index][1]
-            if payloads and size + len(payload) > limit:
+            more = len(payload) + 7
+            if payloads and (
+                size + more > _WRITE_BATCH_BYTES
+                or header + 21 * (len(payloads) + 1) + size + more > self._receiver_limit
+            ):
                 break
             payloads.append(payload)
-            size += len(payload) + 8
+            size += more
         if not payloads:
             return None
         self._unsent_bytes = max(self._unsent_bytes - size, 0)

@@ -170,9 +170,13 @@ class SampleReceiver:
         max_pending_handshakes: connections handshaking at once; one more drops the oldest.
         ssl_context: TLS for every connection (a server context with the receiver's
             certificate), before the token handshake; ``None``: no TLS.
-        directory_assignments: the root's producer assignments from a checkpoint
-            (:attr:`directory_assignments`); producers then wait (each hello up to
-            ``handshake_timeout``, then they retry) until :meth:`set_directory` is called.
+        directory_assignments: producer name -> rank index, from the root's checkpoint
+            (:attr:`directory_assignments`) or fixed beforehand; until :meth:`set_directory`,
+            a producer assigned to another rank (or to any, without ``directory_index``) waits
+            (each hello up to ``handshake_timeout``, then it retries).
+        directory_index: this receiver's rank index; with ``directory_assignments``, its own
+            producers are served before :meth:`set_directory` (give it on every rank's receiver
+            when every rank gets the assignments).
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -195,6 +199,7 @@ class SampleReceiver:
         max_pending_handshakes: int = 64,
         ssl_context: ssl.SSLContext | None = None,
         directory_assignments: Mapping[str, int] | None = None,
+        directory_index: int | None = None,
     ) -> None:
         if not callable(getattr(sink, "put", None)):
             msg = f"sink must have an async put(sample) (a SampleSink), got {type(sink).__name__}"
@@ -221,7 +226,8 @@ class SampleReceiver:
         self._try_put_many: Callable[[Sequence[Sample]], int] | None = (
             try_put_many if callable(try_put_many) else None
         )
-        self._directory = ProducerDirectory(directory_assignments)
+        self._directory = ProducerDirectory(directory_assignments, own_index=directory_index)
+        self._directory_index = 0 if directory_index is None else directory_index
         self._directory_set = anyio.Event()
         self._host, self._port = host, port
         self._max_frame_bytes = max_frame_bytes
@@ -260,8 +266,9 @@ class SampleReceiver:
         the root rank and give it back as ``directory_assignments=``)."""
         return self._directory.assignments
 
-    def set_directory(self, addresses: Sequence[tuple[str, int]], *, own_index: int = 0) -> None:
-        """Hand producers out over every rank's receiver, this one being ``addresses[own_index]``.
+    def set_directory(self, addresses: Sequence[tuple[str, int]], *, own_index: int | None = None) -> None:
+        """Hand producers out over every rank's receiver, this one being ``addresses[own_index]``
+        (default: ``directory_index``, else 0: the root's).
 
         Call it on the root rank's receiver, once every rank's receiver listens (their
         :attr:`address`, gathered in rank order).  From then on a producer's hello is answered
@@ -271,14 +278,15 @@ class SampleReceiver:
 
         Raises:
             ConfigurationError: ``addresses`` is empty or malformed, ``own_index`` is out of
-                range or its address's port is not this receiver's, it was called before, or
-                a restored assignment names a rank beyond ``addresses``.
+                range, not ``directory_index``, or its address's port is not this receiver's, it
+                was called before, or an assignment names a rank beyond ``addresses``.
         """
-        if self._address is not None and 0 <= own_index < len(addresses):
-            mine = addresses[own_index]
+        index = own_index if own_index is not None else self._directory_index
+        if self._address is not None and isinstance(index, int) and 0 <= index < len(addresses):
+            mine = addresses[index]
             if isinstance(mine, tuple | list) and len(mine) == 2 and mine[1] != self._address[1]:
                 msg = (
-                    f"set_directory: addresses[{own_index}] is {mine!r:.80}, but this receiver "
+                    f"set_directory: addresses[{index}] is {mine!r:.80}, but this receiver "
                     f"listens on port {self._address[1]}"
                 )
                 raise ConfigurationError(msg)
@@ -461,11 +469,15 @@ class SampleReceiver:
     async def _redirected(self, conn: FramedStream, hello: Hello, nonce: str) -> bool:
         """Send the producer to its assigned receiver if that is another one; whether it was sent
         (or, restored assignments waiting for the directory, dropped to retry)."""
-        if self._directory.restored:
+        if self._directory.must_wait(hello.producer):
             with anyio.move_on_after(self._handshake_timeout):
                 await self._directory_set.wait()
             if not self._directory.ready:
-                logger.info("producer %r: the directory is not set yet; it will retry", hello.producer)
+                logger.warning(
+                    "producer %r is assigned to another rank's receiver, and set_directory() was not "
+                    "called yet on this one (the root's?); it will retry",
+                    hello.producer,
+                )
                 return True
         target = self._directory.assign(hello.producer)
         if target is None:

@@ -25,11 +25,12 @@ import struct
 from collections.abc import Mapping
 from typing import Any, Final
 
+import attrs
 import torch
 
 from lamploop.errors import FrameError
 
-__all__ = ["DTYPES", "decode_tensors", "encode_tensors"]
+__all__ = ["DTYPES", "address_of", "decode_tensors", "encode_tensors"]
 
 DTYPES: Final[dict[str, torch.dtype]] = {
     "F64": torch.float64,
@@ -55,6 +56,7 @@ _NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER_BYTES: Final = 100_000_000  # the reference parser's limit
 _TENSOR_KEYS: Final = frozenset({"dtype", "shape", "data_offsets"})
+_ALIGN: Final = 8  # the largest dtype size: an 8-aligned start aligns every self-aligned tensor
 
 
 def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -125,27 +127,27 @@ def _entry(name: object, entry: object) -> tuple[torch.dtype, list[int], int, in
     return dtype, shape, begin, end
 
 
-def decode_tensors(
-    data: bytes | bytearray | memoryview, start: int = 0, stop: int | None = None
-) -> dict[str, torch.Tensor]:
-    """The named tensors in ``data[start:stop]`` (safetensors bytes).
+@attrs.frozen
+class _Layout:
+    """A checked safetensors header: each tensor's name, dtype, shape and byte range."""
 
-    When ``data`` is a ``bytearray`` and every tensor's bytes are aligned to its dtype, the
-    tensors are views of ``data`` (no copy; they keep it alive); otherwise that range is
-    copied once first.
+    tensors: tuple[tuple[str, torch.dtype, list[int], int, int], ...]
+    data_bytes: int  # what the tensors cover, exactly
+    self_aligned: bool  # every tensor's offset is a multiple of its dtype's size
 
-    Raises:
-        FrameError: the range is not safetensors bytes, or holds no tensor.
-    """
-    stop = len(data) if stop is None else stop
-    if stop - start < _LENGTH.size:
-        raise _bad(f"{stop - start} bytes are too few for a safetensors header")
-    (length,) = _LENGTH.unpack_from(data, start)
-    data_start = start + _LENGTH.size + length
-    if length > _MAX_HEADER_BYTES or data_start > stop:
-        raise _bad(f"the header announces {length} bytes, but {stop - start - _LENGTH.size} follow")
+
+_LAYOUTS: dict[bytes, _Layout] = {}
+_MAX_LAYOUTS = 256
+"""Checked headers kept: a producer's samples usually share one, so each is parsed once."""
+
+
+def _layout(text: bytes) -> _Layout:
+    """The checked layout of a safetensors JSON header (cached by its bytes)."""
+    layout = _LAYOUTS.get(text)
+    if layout is not None:
+        return layout
     try:
-        header = json.loads(bytes(data[start + _LENGTH.size : data_start]))
+        header = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _bad(f"the header is not UTF-8 JSON: {exc!s:.100}") from exc
     if not isinstance(header, dict):
@@ -158,19 +160,62 @@ def decode_tensors(
     if not header:
         msg = "a sample frame holds no tensor"
         raise FrameError(msg)
-    entries = {name: _entry(name, entry) for name, entry in header.items()}
+    entries = [(name, *_entry(name, entry)) for name, entry in header.items()]
     covered = 0
-    for _dtype, _shape, begin, end in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+    for *_, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
         if begin != covered:
             raise _bad(f"the tensors' bytes do not tile the data: a hole or an overlap at byte {begin}")
         covered = end
-    if covered != stop - data_start:
-        raise _bad(f"the tensors cover {covered} bytes of data, but {stop - data_start} follow the header")
+    aligned = all(begin % dtype.itemsize == 0 for _, dtype, _, begin, _ in entries)
+    layout = _Layout(tuple(entries), covered, aligned)
+    if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        _LAYOUTS.clear()
+    _LAYOUTS[text] = layout
+    return layout
+
+
+def address_of(data: bytearray) -> int:
+    """The address of ``data``'s first byte (0 when empty): for :func:`decode_tensors`' ``address``."""
+    return torch.frombuffer(data, dtype=torch.uint8).data_ptr() if data else 0
+
+
+def decode_tensors(
+    data: bytes | bytearray | memoryview,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    address: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The named tensors in ``data[start:stop]`` (safetensors bytes).
+
+    When ``data`` is a ``bytearray`` and every tensor's bytes are aligned to its dtype, the
+    tensors are views of ``data`` (no copy; they keep it alive); otherwise that range is
+    copied once first.  ``address`` (:func:`address_of` ``data``) saves finding it again when
+    one buffer holds many samples.
+
+    Raises:
+        FrameError: the range is not safetensors bytes, or holds no tensor.
+    """
+    stop = len(data) if stop is None else stop
+    if stop - start < _LENGTH.size:
+        raise _bad(f"{stop - start} bytes are too few for a safetensors header")
+    (length,) = _LENGTH.unpack_from(data, start)
+    data_start = start + _LENGTH.size + length
+    if length > _MAX_HEADER_BYTES or data_start > stop:
+        raise _bad(f"the header announces {length} bytes, but {stop - start - _LENGTH.size} follow")
+    layout = _layout(bytes(data[start + _LENGTH.size : data_start]))
+    if layout.data_bytes != stop - data_start:
+        msg = (
+            f"the tensors cover {layout.data_bytes} bytes of data, but {stop - data_start} follow the header"
+        )
+        raise _bad(msg)
     buffer = data
-    if not isinstance(data, bytearray) or not _aligned(data, data_start, entries.values()):
+    if not isinstance(data, bytearray) or not layout.self_aligned:
         buffer, data_start = bytearray(data[data_start:stop]), 0  # one copy, aligned by the allocator
+    elif ((address_of(data) if address is None else address) + data_start) % _ALIGN:
+        buffer, data_start = bytearray(data[data_start:stop]), 0
     tensors: dict[str, torch.Tensor] = {}
-    for name, (dtype, shape, begin, end) in entries.items():
+    for name, dtype, shape, begin, end in layout.tensors:
         if end == begin:
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
@@ -178,9 +223,3 @@ def decode_tensors(
             flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
             tensors[name] = flat if len(shape) == 1 else flat.view(shape)  # a view costs 1.5 µs
     return tensors
-
-
-def _aligned(data: bytearray, data_start: int, entries: Any) -> bool:
-    """Whether every tensor of ``entries`` starts at an address its dtype's size divides."""
-    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr() + data_start if data else 0
-    return all((base + begin) % dtype.itemsize == 0 for dtype, _shape, begin, _end in entries)

@@ -68,7 +68,7 @@ import torch
 from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
 from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
-from lamploop.streaming.tensor_bytes import decode_tensors, encode_tensors
+from lamploop.streaming.tensor_bytes import address_of, decode_tensors, encode_tensors
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -493,11 +493,12 @@ def _decode_samples(body: bytes | bytearray, start: int, sizes: list[Any]) -> li
         )
         raise FrameError(msg)
     samples = []
+    address = address_of(body)
     for begin, size in zip(offsets, sizes, strict=True):
         if size * _COPY_BELOW_SHARE < len(body):  # small: copied, so as not to pin the whole frame
             samples.append(decode_tensors(bytearray(body[begin : begin + size])))
         else:
-            samples.append(decode_tensors(body, begin, begin + size))
+            samples.append(decode_tensors(body, begin, begin + size, address=address))
     return samples
 
 

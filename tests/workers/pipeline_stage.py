@@ -13,7 +13,9 @@ checkpoint), ``progress`` (write the number of batches trained so far to
 
 Each rank writes ``<workdir>/<name>/rank<r>.json`` (``{"ok": true, "state": LoopState}`` or
 the error's type, class names and message) and ``rank<r>.safetensors`` (its stage's
-parameters at the end).  A failed run ends the process with status 1.  Nothing is pickled.
+parameters at the end).  A failed run ends the process with status 1.  Nothing is pickled:
+torch's ``send_object_list`` and ``recv_object_list`` (which pipelining's dynamic shape
+inference would use) are replaced by a tripwire that fails the run.
 
 The data and model builders are imported by the test for its one-process reference.
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 import anyio
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lamploop.batches import BatchContext, BatchStream, BatchStreamFactory, tensor_batches
@@ -142,7 +145,13 @@ async def _run(run: dict[str, Any], workdir: Path, rank: int, world_size: int) -
     (out / f"rank{rank}.json").write_text(json.dumps({"ok": True, "state": converter.unstructure(state)}))
 
 
+def _pickled(*args: object, **kwargs: object) -> None:
+    msg = "a pickled message between stages (send_object_list / recv_object_list)"
+    raise AssertionError(msg)
+
+
 def main(argv: list[str]) -> int:
+    dist.send_object_list = dist.recv_object_list = _pickled  # type: ignore[assignment]
     config_path, rank_text = argv
     config = json.loads(Path(config_path).read_text())
     rank, world_size = int(rank_text), int(config["world_size"])

@@ -109,3 +109,34 @@ def test_fedavg_weights_by_sample_count_on_unequal_shards(tmp_path: Path) -> Non
     local = [_sgd_steps(plan, rows, steps=1) for rows in shards]
     unweighted = {name: (local[0][name] + local[1][name]) / 2 for name in union}
     assert max(float((unweighted[n] - union[n]).abs().max()) for n in union) > 1e-4
+
+
+def test_a_round_over_tls(tmp_path: Path) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    plan = make_plan()
+    port = free_port()
+    node = in_process_node(tmp_path, plan, port, "node-0", (0, 40), 40, ssl_context=client)
+
+    async def main() -> FederatedResult:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(anyio.to_thread.run_sync, anyio.run, node, abandon_on_cancel=True))
+            with anyio.fail_after(30):
+                return await run_aggregator(
+                    plan=plan,
+                    initial_model=mlp(dict(plan.model.options)),
+                    token=TOKEN,
+                    port=port,
+                    ssl_context=server,
+                    settings=AggregatorSettings(rounds=1),
+                )
+
+    result = anyio.run(main)
+    _assert_close(dict(result.model), _sgd_steps(plan, (0, 40), steps=1))

@@ -296,7 +296,7 @@ PLAN_CONVERTER: Final = _make_converter()
 
 def plan_to_json(plan: TrainingPlan) -> dict[str, Any]:
     """The plan as a JSON object (what travels to the nodes and what is hashed)."""
-    obj: dict[str, Any] = PLAN_CONVERTER.unstructure(plan)
+    obj: dict[str, Any] = _plain(PLAN_CONVERTER.unstructure(plan))  # tuples as JSON lists
     return obj
 
 

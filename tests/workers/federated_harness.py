@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -131,7 +132,13 @@ def start_aggregator(tmp: Path, **config: Any) -> subprocess.Popen[str]:
 
 
 def in_process_node(
-    tmp: Path, plan: TrainingPlan | None, port: int, name: str, rows: tuple[int, int], batch_size: int
+    tmp: Path,
+    plan: TrainingPlan | None,
+    port: int,
+    name: str,
+    rows: tuple[int, int],
+    batch_size: int,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Any:
     """A coroutine function running the node of tests/workers/federated_node.py in this process."""
     from lamploop.batches import tensor_batches
@@ -154,6 +161,7 @@ def in_process_node(
             train_batches=tensor_batches(x[start:stop], y[start:stop], batch_size=batch_size, shuffle=False),
             validation_batches=tensor_batches(x[start:stop], y[start:stop], batch_size=64, shuffle=False),
             settings=NodeSettings(connect_timeout=20.0, retry_interval=0.05),
+            ssl_context=ssl_context,
         )
 
     return node

@@ -12,20 +12,20 @@ business; the protocol as a whole is described in :mod:`lamploop.control.tcp`.
 from __future__ import annotations
 
 import logging
-import socket
 import ssl
 from collections.abc import Callable
 from types import TracebackType
 
 import anyio
 import anyio.abc
-from anyio.abc import SocketAttribute, TaskStatus
+from anyio.abc import TaskStatus
 
 from lamploop.control import _tls as tls
-from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone, address_text
+from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
 from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
+from lamploop.control._listen import serve_tcp
 from lamploop.control._settings import Link, Run, check_int, check_seconds
-from lamploop.control._strangers import PendingHandshakes, RefusalLog, spoke_first
+from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.wire import (
@@ -242,44 +242,15 @@ class TcpControlRoot:
     # -- background tasks --
 
     async def _serve(self, *, task_status: TaskStatus[tuple[str, int]]) -> None:
-        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
-        # One socket listener per address family of the host (create_tcp_listener makes only those).
-        sockets = [one for one in listener.listeners if isinstance(one, anyio.abc.SocketListener)]
-        async with listener, anyio.create_task_group() as tg:
-            for one in sockets:
-                tg.start_soon(self._accept_forever, one)
-            address = listener.extra(SocketAttribute.local_address)
-            task_status.started((str(address[0]), int(address[1])))
-
-    async def _accept_forever(self, listener: anyio.abc.SocketListener) -> None:
-        # Accepting on the raw socket costs microseconds; a stream and a task are made only
-        # for a connection that could be a follower (see spoke_first).
-        raw = listener.extra(SocketAttribute.raw_socket)
-        while True:
-            try:
-                await anyio.wait_readable(raw)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
-                return
-            while True:
-                try:
-                    sock, address = raw.accept()
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:  # e.g. out of file descriptors: keep serving the joined peers
-                    logger.warning("control root: accepting a connection failed: %s", exc)
-                    await anyio.sleep(0.1)
-                    break
-                if self._tls is None and spoke_first(sock):  # under TLS the client speaks first
-                    self._refusals.refused(address_text(address), "it spoke before the root's challenge")
-                    sock.close()
-                    continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # heartbeats go at once
-                try:
-                    stream = await anyio.abc.SocketStream.from_socket(sock)
-                except OSError:  # gone meanwhile
-                    sock.close()
-                    continue
-                self._sup.tg.start_soon(self._handle, stream)
+        await serve_tcp(
+            self._host,
+            self._port,
+            on_connection=lambda stream: self._sup.tg.start_soon(self._handle, stream),
+            refusals=self._refusals,
+            who="root",
+            checks_first_bytes=self._tls is None,  # under TLS the client speaks first
+            task_status=task_status,
+        )
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         conn = Connection(stream, link=self._link)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -48,12 +47,13 @@ from types import TracebackType
 import anyio
 import anyio.abc
 import attrs
-from anyio.abc import SocketAttribute, TaskStatus
+from anyio.abc import TaskStatus
 
 from lamploop.control import _tls as tls
-from lamploop.control._connection import address_text, explain
+from lamploop.control._connection import explain
+from lamploop.control._listen import serve_tcp
 from lamploop.control._settings import check_int, check_seconds
-from lamploop.control._strangers import PendingHandshakes, RefusalLog, spoke_first
+from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
 from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
@@ -370,45 +370,15 @@ class SampleReceiver:
     # -- serving --
 
     async def _serve(self, *, task_status: TaskStatus[tuple[str, int]]) -> None:
-        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
-        async with listener, anyio.create_task_group() as tg:
-            for one in listener.listeners:
-                if isinstance(one, anyio.abc.SocketListener):
-                    tg.start_soon(self._accept_forever, one)
-            address = listener.extra(SocketAttribute.local_address)
-            task_status.started((str(address[0]), int(address[1])))
-
-    async def _accept_forever(self, listener: anyio.abc.SocketListener) -> None:
-        # As the control root does: accept on the raw socket, and make a stream and a task only
-        # for a connection that could be a producer.  The receiver speaks first, so a peer
-        # whose bytes (or hang-up) are already here is a stranger, closed at once (under TLS
-        # the client speaks first).
-        raw = listener.extra(SocketAttribute.raw_socket)
-        while True:
-            try:
-                await anyio.wait_readable(raw)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
-                return
-            while True:
-                try:
-                    sock, address = raw.accept()
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:  # e.g. out of file descriptors: keep serving the producers
-                    logger.warning("sample receiver: accepting a connection failed: %s", exc)
-                    await anyio.sleep(0.1)
-                    break
-                if self._tls is None and spoke_first(sock):
-                    self._refusals.refused(address_text(address), "it spoke before the receiver's challenge")
-                    sock.close()
-                    continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go at once
-                try:
-                    stream = await anyio.abc.SocketStream.from_socket(sock)
-                except OSError:  # gone meanwhile
-                    sock.close()
-                    continue
-                self._sup.tg.start_soon(self._handle, stream)
+        await serve_tcp(
+            self._host,
+            self._port,
+            on_connection=lambda stream: self._sup.tg.start_soon(self._handle, stream),
+            refusals=self._refusals,
+            who="receiver",
+            checks_first_bytes=self._tls is None,  # under TLS the client speaks first
+            task_status=task_status,
+        )
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
         conn = FramedStream(stream, max_frame_bytes=PREAUTH_FRAME_BYTES)

@@ -140,3 +140,47 @@ def test_a_round_over_tls(tmp_path: Path) -> None:
 
     result = anyio.run(main)
     _assert_close(dict(result.model), _sgd_steps(plan, (0, 40), steps=1))
+
+
+# -- what is refused before anything runs, and on the wire --
+
+
+def test_plans_settings_and_frames_are_checked_strictly() -> None:
+    import struct
+
+    import pytest
+
+    from lamploop.errors import ConfigurationError, FrameError
+    from lamploop.federated import plan_from_json, plan_to_json
+    from lamploop.federated.wire import FrameDecoder, RoundRefused, decode_body, encode_frame
+
+    plan = make_plan()
+    with pytest.raises(ConfigurationError, match="exactly one of local_epochs and local_steps"):
+        make_plan(local_epochs=2, local_steps=3)
+    with pytest.raises(ConfigurationError, match="optimizer_state must be one of keep, reset"):
+        make_plan(optimizer_state="sometimes")
+    raw = plan_to_json(plan)
+    raw["optimizer"]["momentum"] = "0.9"
+    with pytest.raises(ConfigurationError, match=r"plan: optimizer.momentum: expected a number"):
+        plan_from_json(raw)
+    with pytest.raises(ConfigurationError, match="unknown field"):
+        plan_from_json({**plan_to_json(plan), "code": "import os"})
+    with pytest.raises(ConfigurationError, match="expected_nodes must be an int >= 3"):
+        AggregatorSettings(rounds=1, min_nodes=3, expected_nodes=2)
+
+    frame = encode_frame(RoundRefused(3, "ab", "no"))
+    assert decode_body(frame[4:]) == RoundRefused(3, "ab", "no")
+    header = frame[6:].decode()
+    for bad, why in [
+        (header.replace('"round":3', '"round":"3"'), "expected an integer"),
+        (header.replace('"type":"round_refused"', '"type":"pickle"'), "unknown message type"),
+        (header.replace('"round":3', '"round":3,"extra":1'), "extra"),
+    ]:
+        body = struct.pack(">H", len(bad)) + bad.encode()
+        with pytest.raises(FrameError, match=why):
+            decode_body(body)
+    with pytest.raises(FrameError, match="has no payload"):
+        decode_body(frame[4:] + b"tail")
+    decoder = FrameDecoder(max_frame_bytes=100)
+    with pytest.raises(FrameError, match="over the limit of 100 bytes"):
+        decoder.feed(struct.pack(">I", 101))

@@ -292,6 +292,17 @@ async def run_node(
         raise ConfigurationError(reason)
     secret = check_token(token)
     context = check_context("ssl_context", ssl_context, server_side=False)
+    if not callable(train_batches) or not (validation_batches is None or callable(validation_batches)):
+        msg = "run_node: train_batches and validation_batches are batch-stream factories (context -> stream)"
+        raise ConfigurationError(msg)
+    if not isinstance(allow_list, (str, os.PathLike)):
+        msg = (
+            f"run_node: allow_list is the path of the node's allow-list file, got {type(allow_list).__name__}"
+        )
+        raise ConfigurationError(msg)
+    if settings is not None and not isinstance(settings, NodeSettings):
+        msg = f"run_node: settings must be NodeSettings, got {type(settings).__name__}"
+        raise ConfigurationError(msg)
     config = settings or NodeSettings()
     trainer = _Trainer(name, train_batches, validation_batches, builders)
     trained: list[int] = []

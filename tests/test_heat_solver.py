@@ -1,16 +1,21 @@
-"""The streaming example's solver: finite differences agree with the analytic solution."""
+"""The streaming example: its solver agrees with the analytic solution, and the example trains two ranks."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "streaming_heat"))
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "streaming_heat"
+sys.path.insert(0, str(EXAMPLE))
 
-import heat
+import heat  # noqa: E402 (the example's directory is not a package)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -25,17 +30,46 @@ def test_solver_matches_the_exact_solution(seed: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_streaming_example_trains_on_every_simulated_sample(tmp_path: Path) -> None:
-    import train  # examples/streaming_heat/train.py
-
-    state, received, reads = train.main(
-        ["--producers", "3", "--samples", "300", "--max-reads", "2", "--out", str(tmp_path / "run")]
+@pytest.mark.timeout(150)
+def test_the_streaming_example_trains_two_ranks_on_every_simulated_sample(tmp_path: Path) -> None:
+    """The example as a user runs it: two ranks (started by fit), three simulation processes."""
+    command = [sys.executable, str(EXAMPLE / "train.py"), "--ranks", "2", "--producers", "3"]
+    command += [
+        "--samples",
+        "300",
+        "--max-reads",
+        "2",
+        "--batches-per-epoch",
+        "5",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the example did not end within 120 s:\n{exc.stdout}\n{exc.stderr}")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    ranks = {
+        int(r): (int(n), int(reads))
+        for r, n, reads in re.findall(r"rank (\d): received (\d+) samples, (\d+) reads", out)
+    }
+    assert set(ranks) == {0, 1}, out
+    assert sum(n for n, _ in ranks.values()) == 900  # every simulated sample arrived once, somewhere
+    assert ranks[0][0] == 600  # two simulations on rank 0 (round-robin over sorted names)
+    assert ranks[1][0] == 300  # one on rank 1
+    assert all(reads == 2 * n for n, reads in ranks.values())  # each trained on exactly max_reads times
+    found = re.search(
+        r"(\d+) epochs on 2 ranks from 3 simulations; validation loss per example (\S+) -> (\S+)", out
     )
-    assert received == 900  # every simulated sample arrived once
-    assert reads == 1800  # and was trained on exactly max_reads times
-    assert state.epoch == 6  # 1800 reads / (10 batches x 32) = 5.6 epochs: the stream ended the run
-    first, last = state.learning_curve[0].validation_loss, state.learning_curve[-1].validation_loss
-    assert first is not None
-    assert last is not None
-    assert last[1] < 0.8 * first[1]
+    assert found is not None, out
+    epochs, first, last = found.groups()
+    assert int(epochs) == 8  # rank 0's 1200 reads / (5 batches x 32) = 7.5 epochs: its stream ended the run
+    assert float(last) < 0.9 * float(first)

@@ -1,21 +1,26 @@
 """Learn a surrogate of the heat equation from simulations that stream their results.
 
-``python examples/streaming_heat/train.py [--producers 3] [--samples 400] [--out DIR]``:
+``python examples/streaming_heat/train.py [--ranks 2] [--producers 3] [--samples 400] [--out DIR]``
 
-1. opens a :class:`~lamploop.streaming.receiver.SampleReceiver` into a FIRO buffer (first
-   in, random out: each sample read ``--max-reads`` times, in random order);
-2. starts ``--producers`` simulation processes (``simulate.py``), each streaming
+1. every rank (``--ranks``, started by this script through ``fit``) opens a receiver into its
+   own FIRO buffer (first in, random out: each sample read ``--max-reads`` times, in random
+   order), restored from ``--out``'s latest checkpoint when there is one;
+2. rank 0 starts ``--producers`` simulation processes (``simulate.py``) once the ranks met;
+   each knows only rank 0's receiver, which hands it to a rank (round-robin), and streams
    ``--samples`` solutions with random parameters; no data set is written to disk;
-3. trains an MLP parameters -> solution on batches drawn from the buffer while more arrive,
-   validating every epoch (``--batches-per-epoch`` batches) on a fixed held-out set solved
-   here, until the producers are done and the buffer is drained.
+3. every rank trains an MLP parameters -> solution on batches drawn from its buffer while
+   more arrive, validating every epoch (``--batches-per-epoch`` batches per rank) on a fixed
+   held-out set solved here; the run ends at the first epoch with no batch left on any rank.
 
-One rank; several ranks, each with its own receiver, are the next step (docs/streaming.md).
+Killed (even SIGKILL) and started again with the same ``--out``, it resumes: each rank
+restores its buffer and what it acknowledged, and the simulations resend the rest.
+Each rank prints ``rank R: received N samples, R reads``; rank 0 then prints the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -29,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heat import random_parameters, solve
 
 import lamploop
-from lamploop.streaming import FiroBuffer, buffer_batches
-from lamploop.streaming.receiver import SampleReceiver
+from lamploop.distributed.launch import launch_env
+from lamploop.streaming import FiroBuffer, StreamState, buffer_batches
 
 HERE = Path(__file__).resolve().parent
+TOKEN_VARIABLE = "LAMPLOOP_STREAM_TOKEN"  # the producers' secret; the other ranks inherit it
 
 
 def held_out(count: int = 200, seed: int = 12345) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,63 +60,71 @@ def surrogate() -> torch.nn.Module:
     )
 
 
-async def train(args: argparse.Namespace) -> tuple[lamploop.LoopState, int, int]:
-    """Train; the final state, the samples received and the reads from the buffer."""
-    token = secrets.token_hex(16)
+async def run_simulations(host: str, port: int, names: list[str], samples: int, token: str) -> None:
+    """The producers: one process per simulation, each with its own seed."""
+    async with anyio.create_task_group() as tg:
+        for i, name in enumerate(names):
+            command = [sys.executable, str(HERE / "simulate.py"), host, str(port), name, str(samples), str(i)]
+            env = {**os.environ, TOKEN_VARIABLE: token}
+            tg.start_soon(lambda c=command, e=env: anyio.run_process(c, env=e, check=True, stdout=None))
+
+
+async def train(args: argparse.Namespace) -> lamploop.LoopState | None:
+    """This rank's part of the run; rank 0 returns the final state, the others ``None``."""
+    env = launch_env()
+    rank = env.rank if env is not None else 0
+    token = os.environ.setdefault(TOKEN_VARIABLE, secrets.token_hex(16))  # set before fit starts the ranks
     names = [f"sim-{i}" for i in range(args.producers)]
-    buffer = FiroBuffer(capacity=args.capacity, watermark=args.watermark, seed=0, max_reads=args.max_reads)
+    buffer = FiroBuffer(capacity=args.capacity, watermark=args.watermark, seed=rank, max_reads=args.max_reads)
+    stream = StreamState(buffer)
+    stream.restore(args.out)  # a resumed run: this rank's buffer and what it acknowledged
     x_valid, y_valid = held_out()
-    module = surrogate()
     async with (
-        SampleReceiver(buffer, token=token, expected_producers=names) as receiver,
+        stream.open_receiver(token=token, producers=names, nranks=args.ranks) as receiver,
         anyio.create_task_group() as tg,
     ):
-        host, port = receiver.address
-        for i, name in enumerate(names):
-            command = [
-                sys.executable,
-                str(HERE / "simulate.py"),
-                host,
-                str(port),
-                name,
-                str(args.samples),
-                str(i),
-            ]
-            tg.start_soon(
-                lambda c=command: anyio.run_process(c, env={"LAMPLOOP_STREAM_TOKEN": token}, check=True)
-            )
 
         async def end_of_stream() -> None:
-            await receiver.wait_all_done()
-            buffer.close()  # the producers are done: drain what is left, then the run ends
+            await receiver.wait_all_done()  # this rank's share of the producers
+            buffer.close()  # drain what is left, then this rank's stream ends
+
+        async def producers() -> None:
+            if args.ranks > 1:
+                await stream.wait_ranks_joined()  # rank 0's receiver knows every rank's by then
+            await run_simulations(*receiver.address, names, args.samples, token)
 
         tg.start_soon(end_of_stream)
+        if rank == 0:
+            tg.start_soon(producers)
         state = await lamploop.fit_async(
-            model=lamploop.SupervisedModel(module, lamploop.mse_loss),
+            model=lamploop.SupervisedModel(surrogate(), lamploop.mse_loss),
             optimizer_factory=lambda params: torch.optim.Adam(params, lr=3e-3),
             train_batches=buffer_batches(
                 buffer, batch_size=args.batch_size, batches_per_epoch=args.batches_per_epoch
             ),
-            validation_batches=lamploop.tensor_batches(x_valid, y_valid, batch_size=200, shuffle=False),
+            validation_batches=lamploop.tensor_batches(x_valid, y_valid, batch_size=50, shuffle=False),
             max_epochs=10**6,  # the stream decides when training ends
             checkpoint_dir=args.out,
-            resume=False,
-            world_size=1,
+            checkpoint_extras={"stream": stream},
+            world_size=args.ranks,
+            reporters=[],
         )
-    assert state is not None
-    first, last = state.learning_curve[0].validation_loss, state.learning_curve[-1].validation_loss
-    assert first is not None
-    assert last is not None
-    print(
-        f"{receiver.stats.samples} samples received from {len(names)} producers, "
-        f"{buffer.read_total} reads ({args.max_reads} each); {state.epoch} epochs; "
-        f"validation loss per example {first[1]:.4f} -> {last[1]:.4f}"
-    )
-    return state, receiver.stats.samples, buffer.read_total
+    print(f"rank {rank}: received {receiver.stats.samples} samples, {buffer.read_total} reads", flush=True)
+    if state is not None:
+        first, last = state.learning_curve[0].validation_loss, state.learning_curve[-1].validation_loss
+        assert first is not None
+        assert last is not None
+        print(
+            f"{state.epoch} epochs on {args.ranks} ranks from {len(names)} simulations; "
+            f"validation loss per example {first[1]:.4f} -> {last[1]:.4f}",
+            flush=True,
+        )
+    return state
 
 
-def main(argv: list[str] | None = None) -> tuple[lamploop.LoopState, int, int]:
+def main(argv: list[str] | None = None) -> lamploop.LoopState | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--producers", type=int, default=3)
     parser.add_argument("--samples", type=int, default=400, help="samples per producer")
     parser.add_argument("--capacity", type=int, default=256)

@@ -117,7 +117,7 @@ class StreamState:
             raise ConfigurationError(msg)
         rank = _this_rank(rank)
         names = list(producers)
-        if nranks > 1:
+        if nranks > 1 and rank == 0:  # the root hands the producers out; the others take theirs
             options.setdefault("directory_assignments", {n: producer_rank(names, n, nranks) for n in names})
         self.receiver = SampleReceiver(
             self.buffer,

@@ -17,7 +17,16 @@ import torch
 
 from lamploop.federated.wire import Evaluation
 
-__all__ = ["RECORD_CONVERTER", "FederatedResult", "MissingNode", "NodeReport", "RoundRecord", "pooled"]
+__all__ = [
+    "RECORD_CONVERTER",
+    "FederatedResult",
+    "MissingNode",
+    "NodeReport",
+    "RoundRecord",
+    "pooled",
+    "rounds_from_json",
+    "rounds_to_json",
+]
 
 
 @attrs.frozen

@@ -21,7 +21,7 @@ import anyio
 import safetensors.torch
 import torch
 
-from lamploop.errors import HandshakeError, PlanNotApprovedError
+from lamploop.errors import FederatedError, HandshakeError, PlanNotApprovedError
 from lamploop.federated import AggregatorSettings, OptimizerConfig, mlp, plan_hash, run_aggregator, save_plan
 from lamploop.federated.link import Link, join_aggregator
 from tests.test_federated import _assert_close, _sgd_steps
@@ -181,7 +181,7 @@ def test_when_every_node_refuses_the_plan_the_run_fails_naming_its_hash(tmp_path
                         initial_model=mlp(dict(plan.model.options)),
                         token=TOKEN,
                         port=port,
-                        settings=AggregatorSettings(rounds=2, min_nodes=1, join_timeout=10),
+                        settings=AggregatorSettings(rounds=2, min_nodes=1, join_timeout=10, round_attempts=2),
                     )
                 except PlanNotApprovedError as exc:
                     caught.append(exc)
@@ -191,7 +191,35 @@ def test_when_every_node_refuses_the_plan_the_run_fails_naming_its_hash(tmp_path
     assert error.plan_hash == plan_hash(plan)
     assert plan_hash(plan) in str(error)
     assert "node-0" in str(error)
-    assert "round 0" in str(error)
+    assert "round 0 (attempt 2 of 2)" in str(error)  # sent again once, refused again
+
+
+def test_too_few_nodes_fail_the_run_clearly_within_join_timeout(tmp_path: Path) -> None:
+    plan = make_plan()
+    port = free_port()
+    node = in_process_node(tmp_path, plan, port, "node-0", (0, 40), 40)
+    caught: list[FederatedError] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(node)
+            with anyio.fail_after(20):
+                try:
+                    await run_aggregator(
+                        plan=plan,
+                        initial_model=mlp(dict(plan.model.options)),
+                        token=TOKEN,
+                        port=port,
+                        settings=AggregatorSettings(rounds=1, min_nodes=2, join_timeout=1.5),
+                    )
+                except FederatedError as exc:
+                    caught.append(exc)
+
+    started = time.monotonic()
+    anyio.run(main)
+    assert time.monotonic() - started < 10
+    (error,) = caught
+    assert str(error) == "round 0: 1 node(s) connected (node-0) within join_timeout=1.5 s; min_nodes=2"
 
 
 def _momentum_plan() -> object:

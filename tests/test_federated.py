@@ -184,3 +184,60 @@ def test_plans_settings_and_frames_are_checked_strictly() -> None:
     decoder = FrameDecoder(max_frame_bytes=100)
     with pytest.raises(FrameError, match="over the limit of 100 bytes"):
         decoder.feed(struct.pack(">I", 101))
+
+
+def test_a_node_that_joins_during_a_round_gets_that_round(tmp_path: Path) -> None:
+    from collections.abc import AsyncIterator
+
+    from lamploop.batches import BatchStream
+    from lamploop.federated import approve_plan, run_node
+
+    plan = make_plan()
+    port = free_port()
+    allow = tmp_path / "allow.json"
+    approve_plan(plan, allow)
+    x, y = dataset()
+    training = anyio.Event()
+
+    def slow_shard(context: BatchContext) -> BatchStream:
+        async def stream() -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+            training.set()  # round 0 was sent to node-0 before node-1 exists
+            await anyio.sleep(1.0)  # node-0 trains long enough for node-1 to join
+            yield x[:40], y[:40]
+
+        return stream()
+
+    async def node(name: str, rows: slice, slow: bool) -> None:
+        await run_node(
+            name=name,
+            host="127.0.0.1",
+            port=port,
+            token=TOKEN,
+            allow_list=allow,
+            train_batches=slow_shard
+            if slow
+            else tensor_batches(x[rows], y[rows], batch_size=40, shuffle=False),
+        )
+
+    async def main() -> FederatedResult:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(node, "node-0", slice(0, 40), True)
+
+            async def late_node() -> None:
+                await training.wait()
+                await node("node-1", slice(40, 80), False)
+
+            tg.start_soon(late_node)
+            with anyio.fail_after(30):
+                return await run_aggregator(
+                    plan=plan,
+                    initial_model=mlp(dict(plan.model.options)),
+                    token=TOKEN,
+                    port=port,
+                    settings=AggregatorSettings(rounds=1, min_nodes=1, expected_nodes=1),
+                )
+
+    result = anyio.run(main)
+    (record,) = result.rounds
+    assert [r.node for r in record.answered] == ["node-0", "node-1"]
+    _assert_close(dict(result.model), _sgd_steps(plan, (0, 80), steps=1))

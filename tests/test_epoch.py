@@ -208,6 +208,38 @@ async def test_stale_gradients_do_not_leak_into_the_first_step() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_validation_pass_does_not_switch_off_gradients_of_a_training_pass_beside_it() -> None:
+    """Gradient mode is per thread: a forward-only pass awaiting its batches must not leave it
+    off for another task of the same event loop, which trains (found with federated nodes)."""
+    x, y = make_data(16)
+    validated, trained, reference = make_module(1), make_module(), make_module()
+
+    async def slow(items: Sequence[Any]) -> AsyncIterator[Any]:
+        for item in items:
+            await anyio.sleep(0.01)  # the training pass runs while validation waits here
+            yield item
+
+    async def validate() -> None:
+        await one_epoch(
+            model=SupervisedModel(validated, mse_loss), batches=slow(cut(x, y, [4] * 4)), forward_only=True
+        )
+
+    async def train() -> None:
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        await one_epoch(
+            model=SupervisedModel(trained, mse_loss),
+            batches=slow(cut(x, y, [4] * 4)),
+            step_optimizer=optimizer.step,
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(validate)
+        tg.start_soon(train)
+    reference_training(reference, torch.optim.SGD(reference.parameters(), lr=0.1), cut(x, y, [4] * 4))
+    assert_same_parameters(trained, reference)
+
+
+@pytest.mark.anyio
 async def test_forward_only_is_the_exact_mean_over_examples() -> None:
     x, y = make_data(16)
     module = make_module(dropout=0.5)

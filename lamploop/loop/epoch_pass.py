@@ -161,15 +161,17 @@ async def _forward_pass(
     losses: list[torch.Tensor] = []
     count = 0
     yield_now = Yielder()
-    with torch.no_grad():
-        async for item in batches:
-            index = len(losses)
+    async for item in batches:
+        index = len(losses)
+        # Gradient mode is per thread: switched off around the forward only, never across an
+        # await, where another task of this event loop (a second model training) may run.
+        with torch.no_grad():
             loss_sum, n, values = forward(prepare(item, device, epoch, index, rank), epoch, index, rank)
-            if metrics:
-                metrics.add(values)
-            losses.append(loss_sum.detach())
-            count += n
-            await yield_now()
+        if metrics:
+            metrics.add(values)
+        losses.append(loss_sum.detach())
+        count += n
+        await yield_now()
     local = float(torch.stack(losses).sum()) if losses else 0.0
     total, global_count, metric_totals = await epoch_totals(channel, [local, count], metrics)
     check_finite(losses, total, epoch, rank)

@@ -48,8 +48,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every benchmark; figures printed and written under bench-results/ as JSON."""
-    install(session, "test")
-    session.install("scikit-learn")  # bench_strategies.py trains on its digits
+    install(session, "test,federated-bench")  # scikit-learn's digits; Flower for bench_federated.py
     quick = ["--quick"] if "quick" in session.posargs else []
     for script in sorted(os.listdir("benchmarks")):
         if script.startswith("bench_") and script.endswith(".py"):

@@ -210,6 +210,8 @@ class AsyncProducer:
         self._root = address  # the one address known; redirects lead elsewhere
         self._host, self._port = address  # where the next connection goes
         self._receiver_limit = max_frame_bytes  # the smaller of ours and the receiver's Welcome's
+        # A batch's header takes at most 100 bytes, 6 per byte of the name (JSON escapes), 21 per size.
+        self._header_bound = 100 + 6 * len(name.encode()) + 21
         self._window = resend_window
         self._keep_acknowledged = keep_acknowledged
         self._max_frame_bytes = max_frame_bytes
@@ -282,6 +284,8 @@ class AsyncProducer:
 
     def _check_size(self, seq: int, payload: bytes) -> None:
         """Raise FrameError if the frame of ``payload`` alone would be over ``max_frame_bytes``."""
+        if self._header_bound + len(payload) + 7 <= self._max_frame_bytes:  # the usual case, at once
+            return
         size = samples_frame_bytes(self.name, seq, [len(payload)]) - 4
         if size > self._max_frame_bytes:
             msg = f"a samples frame of {size} bytes is over the limit of {self._max_frame_bytes} bytes"
@@ -614,8 +618,7 @@ class AsyncProducer:
             return None
         first = self._frames[0][0]
         start = max(after + 1 - first, 0)
-        # The header takes at most 100 bytes, 6 per byte of the name (JSON escapes), 21 per size.
-        header = 100 + 6 * len(self.name.encode())
+        header = self._header_bound - 21
         payloads: list[bytes] = []
         size = 0
         for index in range(start, min(len(self._frames), start + MAX_SAMPLES_PER_FRAME)):

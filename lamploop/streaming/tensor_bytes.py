@@ -57,6 +57,9 @@ _LENGTH = struct.Struct("<Q")
 _MAX_HEADER_BYTES: Final = 100_000_000  # the reference parser's limit
 _TENSOR_KEYS: Final = frozenset({"dtype", "shape", "data_offsets"})
 _ALIGN: Final = 8  # the largest dtype size: an 8-aligned start aligns every self-aligned tensor
+_MAX_LAYOUTS: Final = 256
+"""Headers kept, made or checked (a producer's samples usually share one, so each is made or
+parsed once); the cache is emptied when full."""
 
 
 def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -86,8 +89,26 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
             raise TypeError(msg)
         ready.append((name, tensor.detach().to("cpu").contiguous()))
     ready.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    signature = tuple((name, tensor.dtype, tensor.shape) for name, tensor in ready)
+    prefix = _PREFIXES.get(signature)
+    if prefix is None:  # a new kind of sample: its header (a simulation's samples share one)
+        prefix = _prefix(ready)
+        if len(_PREFIXES) >= _MAX_LAYOUTS:
+            _PREFIXES.clear()
+        _PREFIXES[signature] = prefix
+    parts: list[Any] = [prefix]
+    for _name, tensor in ready:
+        if tensor.numel():
+            parts.append(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy: join copies it
+    return b"".join(parts)
+
+
+_PREFIXES: dict[tuple[tuple[str, torch.dtype, torch.Size], ...], bytes] = {}
+
+
+def _prefix(ready: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The length and JSON header of tensors in this order."""
     header: dict[str, Any] = {}
-    parts: list[Any] = [b"", b""]  # the length and the header, once known
     offset = 0
     for name, tensor in ready:
         size = tensor.numel() * tensor.element_size()
@@ -97,12 +118,9 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
             "data_offsets": [offset, offset + size],
         }
         offset += size
-        if size:
-            parts.append(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy: join copies it
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as the reference writes it
-    parts[0], parts[1] = _LENGTH.pack(len(text)), text
-    return b"".join(parts)
+    return _LENGTH.pack(len(text)) + text
 
 
 def _bad(why: str) -> FrameError:
@@ -137,8 +155,6 @@ class _Layout:
 
 
 _LAYOUTS: dict[bytes, _Layout] = {}
-_MAX_LAYOUTS = 256
-"""Checked headers kept: a producer's samples usually share one, so each is parsed once."""
 
 
 def _layout(text: bytes) -> _Layout:

@@ -50,7 +50,7 @@ from lamploop.distributed.launch import (
     open_root_control,
     spawn_followers,
 )
-from lamploop.distributed.rank_extras import RankExtras
+from lamploop.distributed.rank_extras import SYNC_EXTRA, RankExtras
 from lamploop.errors import CheckpointError, ConfigurationError, PeerLostError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
@@ -68,6 +68,7 @@ from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
 from lamploop.stopping import blocking, stop_on_signals, stop_request
+from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
 from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["fit", "fit_async"]
@@ -80,6 +81,7 @@ R = TypeVar("R")
 _LOCAL = "127.0.0.1"
 _FOLLOWER_EXIT_TIMEOUT_S = 60.0
 _OTHER_RANKS = re.compile(r"\.rank[0-9]+$")  # the followers' extras in the root's checkpoints
+_SYNC_STATE = re.compile(re.escape(SYNC_EXTRA) + r"(\.rank[0-9]+)?")  # a stateful strategy's, every rank's
 
 
 class _Heartbeat(TypedDict):
@@ -159,6 +161,7 @@ def _resume(
         "init_position": checkpoint.position,
         "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
         "extras_from": checkpoint.path.name if extras else None,
+        "saved_sync": {n: state for n, state in checkpoint.extras.items() if _SYNC_STATE.fullmatch(n)},
     }
 
 
@@ -182,7 +185,9 @@ def _restore_extras(
     for saved_name, name in names.items():
         tensors, meta = saved[saved_name]
         extras[name].load_state_dict(tensors, meta)
-    unused = sorted(n for n in set(saved) - set(names) if rank > 0 or not _OTHER_RANKS.search(n))
+    unused = sorted(
+        n for n in set(saved) - set(names) if not _OTHER_RANKS.search(n) and not _SYNC_STATE.fullmatch(n)
+    )
     if unused and rank == 0:
         logger.warning("%s: its checkpoint extras %s are not restored (not given)", path, unused)
 
@@ -321,6 +326,7 @@ async def fit_async(
     extras = _check_checkpoint_extras(
         checkpoint_extras, checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds
     )
+    _check_stateful_strategy(settings.strategy, extras, checkpoint_every_n_steps, checkpoint_every_seconds)
     place = _place(world_size, device)
     if place.env is None and place.nranks > 1 and launch_command is None:
         launch_command = default_launch_command(place.nranks)
@@ -357,7 +363,11 @@ async def fit_async(
 
     resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module, extras)
     run_extras = RankExtras(
-        extras, rank=0, nranks=place.nranks, resumed_from=resumed.pop("extras_from", None)
+        extras,
+        rank=0,
+        nranks=place.nranks,
+        resumed_from=resumed.pop("extras_from", None),
+        saved_sync=resumed.pop("saved_sync", None),
     )
     save = None
     if checkpoint_dir is not None:
@@ -374,14 +384,14 @@ async def fit_async(
         data: LoopStateWithModelAndOptimizerData, schedule_state: Any, at: EpochPosition, rngs: Sequence[Any]
     ) -> bool:
         assert save is not None
-        if extras and at.steps_done > 0:  # a stop inside an epoch (step checkpoints are refused)
+        if run_extras.at_epoch_ends_only and at.steps_done > 0:  # a stop inside an epoch
             logger.warning(
                 "stopped inside epoch %d after step %d: no checkpoint written there, since the "
                 "checkpoint extras %s are consistent at epoch ends only; the next run resumes from "
                 "the last epoch's end",
                 at.epoch,
                 at.steps_done,
-                sorted(extras),
+                sorted(run_extras),
             )
             return False
         began = time.monotonic()
@@ -446,6 +456,25 @@ def _check_checkpoint_extras(
         )
         raise ConfigurationError(msg)
     return checked
+
+
+def _check_stateful_strategy(
+    strategy: str, extras: Mapping[str, CheckpointExtra], every_steps: int | None, every_seconds: float | None
+) -> None:
+    """A strategy that keeps state saves it at epoch ends, under a reserved name (see rank_extras)."""
+    if strategy == AUTO or not keeps_state(strategy_named(strategy)):
+        return
+    if SYNC_EXTRA in extras:
+        msg = f"fit: checkpoint_extras name {SYNC_EXTRA!r} is taken by strategy {strategy!r}'s own state"
+        raise ConfigurationError(msg)
+    if every_steps is not None or every_seconds is not None:
+        every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
+        msg = (
+            f"fit: {every} cannot be combined with strategy {strategy!r}: its state (error feedback, "
+            "scales, outer momentum) is saved at epoch ends, where every rank's is consistent with the "
+            "model; make epochs shorter instead"
+        )
+        raise ConfigurationError(msg)
 
 
 async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmitter) -> LoopState:

@@ -29,6 +29,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from lamploop.checkpoint.codec import decode_tree, encode_tree
 from lamploop.checkpoint.extras import (
     CheckpointExtra,
     ExtraState,
@@ -39,8 +40,12 @@ from lamploop.checkpoint.extras import (
 )
 from lamploop.errors import CheckpointError, DistributedError
 from lamploop.sync.collectives import Collectives
+from lamploop.sync.strategy import GradientSync
 
-__all__ = ["RankExtras", "rank_extras"]
+__all__ = ["SYNC_EXTRA", "RankExtras", "SyncState", "rank_extras"]
+
+SYNC_EXTRA = "sync"
+"""The name under which a strategy that keeps state saves it (``sync``, ``sync.rank1``...)."""
 
 
 class _Captured:
@@ -64,11 +69,18 @@ class RankExtras(Mapping[str, CheckpointExtra]):
     the root's own extras under their names, and each follower's last gathered state under
     ``name.rank<r>``.  On a follower it maps its own extras only.
 
+    The run's own state beside the model joins them when its sync strategy keeps state
+    (:func:`~lamploop.sync.strategy.keeps_state`: PowerSGD's error feedback...): every
+    rank's :class:`SyncState` is saved as ``sync`` / ``sync.rank<r>`` and, on resume, the root
+    hands each rank its own over the process group (no shared file system needed).
+
     Args:
         extras: this rank's extras by name.
         rank, nranks: this rank's place.
         resumed_from: the checkpoint this rank restored its extras from (its directory
             name), ``None`` on a fresh run; the ranks must agree on it.
+        saved_sync: the root's: every rank's saved sync state, from the checkpoint the run
+            resumes from (names ``sync`` and ``sync.rank<r>``; ``None`` on a fresh run).
     """
 
     def __init__(
@@ -78,26 +90,61 @@ class RankExtras(Mapping[str, CheckpointExtra]):
         rank: int,
         nranks: int,
         resumed_from: str | None = None,
+        saved_sync: Mapping[str, ExtraState] | None = None,
     ) -> None:
         self.own = dict(extras)
         self.rank, self.nranks = rank, nranks
         self.resumed_from = resumed_from
+        self.saved_sync = dict(saved_sync) if saved_sync is not None else None
+        self.sync: SyncState | None = None
         self._lock = threading.Lock()  # gathered on the training thread, saved on the event loop
         self._gathered: dict[str, _Captured] = {}
 
+    def _mine(self) -> dict[str, CheckpointExtra]:
+        return {**self.own, SYNC_EXTRA: self.sync} if self.sync is not None else self.own
+
+    @property
+    def at_epoch_ends_only(self) -> bool:
+        """Whether a checkpoint holds state that is consistent at epoch ends only (extras, sync state)."""
+        return bool(self.own) or self.sync is not None
+
     def __getitem__(self, name: str) -> CheckpointExtra:
-        if name in self.own:
-            return self.own[name]
+        mine = self._mine()
+        if name in mine:
+            return mine[name]
         with self._lock:
             return self._gathered[name]
 
     def __iter__(self) -> Iterator[str]:
         with self._lock:
-            return iter([*self.own, *self._gathered])
+            return iter([*self._mine(), *self._gathered])
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self.own) + len(self._gathered)
+            return len(self._mine()) + len(self._gathered)
+
+    def keep_sync_state(self, collectives: Collectives, sync: SyncState) -> None:
+        """When the ranks meet, on every rank of a run whose strategy keeps state: save it from now on,
+        and load this rank's saved state (the root sends each rank its own)."""
+        self.sync = sync
+        payload = b""
+        if self.rank == 0 and self.saved_sync is not None:  # resuming
+            per_rank = {}
+            for rank in range(self.nranks):
+                name = rank_extra_name(SYNC_EXTRA, rank)
+                if name not in self.saved_sync:
+                    have = sorted(self.saved_sync)
+                    msg = (
+                        f"the checkpoint the run resumes from has no sync state {name!r} for rank {rank} "
+                        f"(it has {have}): was it written with another strategy or number of ranks?"
+                    )
+                    raise CheckpointError(msg)
+                per_rank[str(rank)] = self.saved_sync[name]
+            payload = _encode(per_rank)
+        received = collectives.broadcast_bytes(payload, "saved sync states")
+        if received:
+            tensors, meta = _decode(received, 0)[str(self.rank)]
+            sync.load_state_dict(tensors, meta)
 
     def meet(self, collectives: Collectives) -> None:
         """When the ranks meet (every rank calls it): check agreement, introduce the rank-aware extras.
@@ -121,9 +168,9 @@ class RankExtras(Mapping[str, CheckpointExtra]):
 
     def after_training_pass(self, collectives: Collectives) -> None:
         """Send the followers' extras to the root (every rank calls it, on the thread that trains)."""
-        if not self.own or self.nranks == 1:
+        if not self.at_epoch_ends_only or self.nranks == 1:
             return
-        payload = b"" if self.rank == 0 else _encode(capture_extras(self.own))
+        payload = b"" if self.rank == 0 else _encode(capture_extras(self._mine()))
         received = collectives.gather_bytes_to_root(payload, "followers' checkpoint extras")
         if received is None:
             return
@@ -159,6 +206,46 @@ def _decode(data: bytes, rank: int) -> dict[str, ExtraState]:
         name, _, tensor_key = key.partition("/")
         states[name][0][tensor_key] = tensor
     return states
+
+
+class SyncState:
+    """A rank's gradient-sync state (``GradientSync.state_dict()``) as a checkpoint extra.
+
+    With ``optimizer`` (a strategy whose ranks step on their own gradients, such as local
+    SGD, so that their optimizer states differ) the rank's optimizer state goes with it: its
+    tensors as ``optimizer/<path>``, its structure in the meta.
+    """
+
+    def __init__(self, sync: GradientSync, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self._sync = sync
+        self._optimizer = optimizer
+
+    def state_dict(self) -> ExtraState:
+        tensors = {k: v.detach().cpu().clone() for k, v in self._sync.state_dict().items()}
+        if self._optimizer is None:
+            return tensors, {}
+        optimizer_tensors: dict[str, torch.Tensor] = {}
+        skeleton = encode_tree(self._optimizer.state_dict(), optimizer_tensors, error=CheckpointError)
+        tensors.update({f"{_OPTIMIZER}{k}": v.detach().cpu().clone() for k, v in optimizer_tensors.items()})
+        return tensors, {"optimizer": skeleton}
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        own = {k: v for k, v in tensors.items() if not k.startswith(_OPTIMIZER)}
+        self._sync.load_state_dict(own)
+        if self._optimizer is not None:
+            if not isinstance(meta, Mapping) or "optimizer" not in meta:
+                msg = "the saved sync state has no optimizer state for this rank (saved by another strategy?)"
+                raise CheckpointError(msg)
+            optimizer_tensors = {
+                k[len(_OPTIMIZER) :]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)
+            }
+            state = decode_tree(
+                meta["optimizer"], optimizer_tensors, "a rank's optimizer state", error=CheckpointError
+            )
+            self._optimizer.load_state_dict(state)
+
+
+_OPTIMIZER = "optimizer/"
 
 
 def rank_extras(extras: Mapping[str, CheckpointExtra] | None, rank: int, nranks: int) -> RankExtras | None:

@@ -20,7 +20,7 @@ from lamploop.checkpoint import RngStates
 from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequest
 from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
-from lamploop.distributed.rank_extras import RankExtras
+from lamploop.distributed.rank_extras import RankExtras, SyncState
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
@@ -32,7 +32,7 @@ from lamploop.step_schedules import check_step_factor
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.group_channel import ProcessGroupChannel
-from lamploop.sync.strategy import SyncStrategy
+from lamploop.sync.strategy import SyncStrategy, keeps_state, optimizer_state_per_rank
 from lamploop.torch_schedulers import LR_SCHEDULER_KEY, make_lr_scheduler
 
 __all__ = ["Replica", "learning_rates", "open_replica", "saved_beside_optimizer", "set_learning_rate_factor"]
@@ -359,9 +359,14 @@ async def open_replica(
             _check_fp16_strategy(settings, strategy)
             saved = _share_saved(collectives, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
-            extras = plan.extras or RankExtras({}, rank=plan.rank, nranks=plan.nranks)
+            extras = (
+                plan.extras if plan.extras is not None else RankExtras({}, rank=plan.rank, nranks=plan.nranks)
+            )
             extras.meet(collectives)  # on every rank, extras or not: a rank without them is refused here
             channel = ProcessGroupChannel(collectives, strategy, bucket_cap_mb=settings.bucket_cap_mb)
+            if keeps_state(strategy):  # its state goes into checkpoints beside the extras
+                own_optimizer = optimizer if optimizer_state_per_rank(strategy) else None
+                extras.keep_sync_state(collectives, SyncState(channel.gradient_sync(module), own_optimizer))
         except BaseException:
             collectives.abandon()  # the ranks failed to agree or a peer was lost while they met
             raise

@@ -194,13 +194,20 @@ class Collectives:
     def broadcast_json(self, value: Any, what: str) -> Any:
         """Rank 0's JSON-ready ``value`` on every rank (bytes over the group, no pickle)."""
         payload = json.dumps(value).encode() if self.rank == 0 else b""
-        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.stats_device)
+        return json.loads(self.broadcast_bytes(payload, what).decode())
+
+    def broadcast_bytes(self, payload: bytes, what: str) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others' ``payload`` is ignored); blocking."""
+        length = torch.tensor(
+            [len(payload) if self.rank == 0 else 0], dtype=torch.int64, device=self.stats_device
+        )
         self.wait(self.broadcast_from_root([length]), f"length of the {what}")
         buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.stats_device)
-        if self.rank == 0:
+        if self.rank == 0 and payload:
             buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.wait(self.broadcast_from_root([buffer]), what)
-        return json.loads(bytes(buffer.cpu().tolist()).decode())
+        if buffer.numel():
+            self.wait(self.broadcast_from_root([buffer]), what)
+        return buffer.cpu().numpy().tobytes()
 
     def gather_json(self, value: Any, what: str) -> list[Any]:
         """Every rank's JSON-ready ``value``, in rank order, on every rank (two all-reduces, no pickle)."""

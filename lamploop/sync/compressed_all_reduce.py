@@ -188,6 +188,11 @@ class CompressedAllReduce:
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
 
+    @property
+    def keeps_state(self) -> bool:
+        """fp16 keeps its scale from step to step (checkpointed); bf16 keeps nothing."""
+        return self.wire == "fp16"
+
     def gradient_sync(
         self,
         collectives: Collectives,

@@ -270,6 +270,8 @@ class LocalSGD:
     outer: OuterNesterov | None = attrs.field(default=None, validator=_check_outer)
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
+    keeps_state: bool = attrs.field(default=True, init=False)  # the window; DiLoCo's anchor and momentum
+    optimizer_state_per_rank: bool = attrs.field(default=True, init=False)  # each rank steps on its own
 
     def gradient_sync(
         self,

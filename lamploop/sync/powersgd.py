@@ -288,6 +288,7 @@ class PowerSGD:
     seed: int = attrs.field(default=0, validator=_check_seed)
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
+    keeps_state: bool = attrs.field(default=True, init=False)  # Q and the error feedback, checkpointed
 
     def gradient_sync(
         self,

@@ -39,6 +39,8 @@ __all__ = [
     "GradientSync",
     "SyncStrategy",
     "check_strategy_name",
+    "keeps_state",
+    "optimizer_state_per_rank",
     "register_strategy",
     "strategy_named",
     "strategy_names",
@@ -132,6 +134,26 @@ class SyncStrategy(Protocol):
     ) -> GradientSync:
         """The sync of ``parameters`` (of ``modules``, for hooks) over ``collectives``."""
         ...
+
+
+def keeps_state(strategy: SyncStrategy) -> bool:
+    """Whether ``strategy``'s syncs keep state from step to step that checkpoints must carry.
+
+    A strategy says so with an optional ``keeps_state = True`` attribute (PowerSGD's error
+    feedback, the fp16 scale, DiLoCo's outer momentum): the drivers then save every rank's
+    :meth:`GradientSync.state_dict` at epoch ends (:mod:`lamploop.distributed.rank_extras`)
+    and give it back on resume.
+    """
+    return getattr(strategy, "keeps_state", False) is True
+
+
+def optimizer_state_per_rank(strategy: SyncStrategy) -> bool:
+    """Whether each rank's optimizer state is its own (ranks step on their own gradients: local SGD).
+
+    Optional ``optimizer_state_per_rank = True`` attribute; the drivers then save every
+    rank's optimizer state with its sync state, not only the root's.
+    """
+    return getattr(strategy, "optimizer_state_per_rank", False) is True
 
 
 _REGISTRY: dict[str, SyncStrategy] = {}

@@ -1,0 +1,60 @@
+"""A strategy's state (PowerSGD's error feedback and Q, DiLoCo's outer momentum) survives a resume.
+
+Real processes: ``fit(world_size=2)`` with a stateful strategy (tests/workers/
+stateful_strategy.py) writes every rank's sync state into the root's checkpoints (``sync``,
+``sync.rank1``); a run stopped after one epoch and resumed ends bitwise equal to an
+uninterrupted one, because the root hands each rank its own saved state when the ranks meet.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lamploop.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "workers" / "stateful_strategy.py"
+
+
+def _run(strategy: str, directory: Path, max_epochs: int) -> None:
+    try:
+        done = subprocess.run(
+            [sys.executable, str(WORKER), strategy, str(directory), str(max_epochs)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{strategy}: the run did not end within 90 s:\n{exc.stdout}\n{exc.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"finished at epoch {max_epochs}" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["powersgd1", "diloco8"])
+def test_a_resumed_run_with_a_stateful_strategy_equals_an_uninterrupted_one(
+    strategy: str, tmp_path: Path
+) -> None:
+    _run(strategy, tmp_path / "whole", 3)
+    _run(strategy, tmp_path / "resumed", 1)
+    _run(strategy, tmp_path / "resumed", 3)
+    whole, resumed = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "resumed")
+    assert {"sync", "sync.rank1"} <= set(whole.extras)
+    rank0, _ = whole.extras["sync"]
+    rank1, _ = whole.extras["sync.rank1"]
+    assert rank0, "the strategy saved no state"
+    if strategy.startswith("powersgd"):  # each rank keeps its own error feedback
+        assert any(not torch.equal(rank0[k], rank1[k]) for k in rank0 if k.startswith("error."))
+    for name, tensor in whole.state.model.items():
+        assert torch.equal(tensor, resumed.state.model[name]), f"{strategy}: {name} differs after the resume"
+    for name, tensor in rank1.items():
+        assert torch.equal(tensor, resumed.extras["sync.rank1"][0][name]), f"{strategy}: rank 1's {name}"

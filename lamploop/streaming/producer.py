@@ -114,13 +114,16 @@ class _Signal:
     """Wakes up every task waiting for "something changed" (one event loop, no lock needed)."""
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # made by the first waiter: notify() is per sample
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
 
@@ -273,7 +276,10 @@ class AsyncProducer:
         """Queue one sample (its named tensors) for the receiver; its seq.
 
         Returns once the sample is kept for sending: waits while ``resend_window`` samples
-        are unacknowledged.  The tensors are copied (encoded) before it returns.
+        are unacknowledged.  The tensors are copied (encoded) before it returns.  It yields to
+        other tasks (and can be cancelled, taking nothing) when it waits, and at least once per
+        frame's worth of samples (256 KiB, or a quarter of ``resend_window``); the samples in
+        between are kept without a task switch.
 
         Raises:
             TypeError, ValueError: ``tensors`` is not a non-empty mapping of str to tensors.
@@ -294,16 +300,17 @@ class AsyncProducer:
     async def _submit(self, payload: bytes, expected_seq: int | None = None) -> int:
         """Keep ``payload`` as the next seq's sample once the window has room; the seq."""
         self._check_open("send()")
+        # Kept without switching tasks, so that samples sent in a row leave in one frame when
+        # the caller next waits; but once a frame's worth (or a quarter of the window) waits,
+        # the writer gets its turn first, so that the receiver takes a batch while the caller
+        # makes the next one, instead of both waiting in turn for a full window.  Only then is
+        # send() a checkpoint (a cancellation point): anyio's checkpoints cost more than the rest
+        # of a send.
+        if self._queued == 0 and self._has_room() and self._writer_due():
+            await anyio.lowlevel.checkpoint()  # cancelled here, the sample is not taken
+            self._check_open("send()")
         if self._queued == 0 and self._has_room():
-            # Kept without switching tasks, so that samples sent in a row leave in one frame
-            # when the caller next waits; but once a frame's worth (or a quarter of the window)
-            # waits, the writer gets its turn, so that the receiver takes a batch while the
-            # caller makes the next one, instead of both waiting in turn for a full window.
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            seq = self._keep(payload, expected_seq)
-            if self._unsent_bytes >= _WRITE_BATCH_BYTES or self._unsent * 4 >= self._window:
-                await anyio.lowlevel.cancel_shielded_checkpoint()  # kept: a cancellation waits
-            return seq
+            return self._keep(payload, expected_seq)
         self._queued += 1  # no sender overtakes this one by the path above
         try:
             async with self._send_lock:
@@ -315,6 +322,9 @@ class AsyncProducer:
                 return self._keep(payload, expected_seq)
         finally:
             self._queued -= 1
+
+    def _writer_due(self) -> bool:
+        return self._unsent_bytes >= _WRITE_BATCH_BYTES or self._unsent * 4 >= self._window
 
     def _has_room(self) -> bool:
         return self._next_seq <= self._acked or self.unacknowledged < self._window

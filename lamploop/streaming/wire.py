@@ -532,21 +532,22 @@ class FrameDecoder:
         return self._size + (HEADER_BYTES if self._body is not None else 0)
 
     def _take(self, count: int) -> bytearray:
-        """The next ``count`` bytes of the chunks, in a bytearray of their own."""
-        out = bytearray(count)
-        filled = 0
+        """The next ``count`` bytes of the chunks, in a bytearray of their own (copied once,
+        without zeroing it first)."""
+        parts: list[memoryview] = []
+        needed = count
         chunks = self._chunks
-        while filled < count:
+        while needed:
             chunk = chunks[0]
-            n = min(len(chunk), count - filled)
-            out[filled : filled + n] = chunk[:n]
-            filled += n
-            if n == len(chunk):
-                chunks.popleft()
+            if len(chunk) <= needed:
+                parts.append(chunks.popleft())
+                needed -= len(chunk)
             else:
-                chunks[0] = chunk[n:]
+                parts.append(chunk[:needed])
+                chunks[0] = chunk[needed:]
+                needed = 0
         self._size -= count
-        return out
+        return bytearray().join(parts) if len(parts) > 1 else bytearray(parts[0])
 
     def feed(self, data: bytes) -> list[tuple[Message, int]]:
         """Add ``data``; return each message it completes with its frame's size, in order.

@@ -75,10 +75,18 @@ async def run_ranks(nranks: int, body: Callable[[int, Collectives], T]) -> list[
             abort.set(f"rank {rank} failed: {exc!r}")
             raise
 
-    with anyio.fail_after(RANKS_TIMEOUT_S):
-        async with anyio.create_task_group() as tasks:
-            for rank in range(nranks):
-                tasks.start_soon(anyio.to_thread.run_sync, rank_main, rank)
+    # One intra-op thread, as fit gives each rank of a 2-core machine: ranks that are threads
+    # of one process would otherwise share OpenMP teams whose size (and so the order of float
+    # sums) varies with the load, and "bitwise equal" tests would fail now and then.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with anyio.fail_after(RANKS_TIMEOUT_S):
+            async with anyio.create_task_group() as tasks:
+                for rank in range(nranks):
+                    tasks.start_soon(anyio.to_thread.run_sync, rank_main, rank)
+    finally:
+        torch.set_num_threads(threads)
     return results
 
 

@@ -53,6 +53,7 @@ async def run_ranks(nranks: int, body: Callable[[int, Collectives], T]) -> list[
     prefix = f"test-{id(store)}"
 
     def rank_main(rank: int) -> None:
+        torch.set_num_threads(1)  # on this thread: OpenMP's thread count is per thread (see below)
         try:
             group = new_process_group(
                 store,
@@ -75,9 +76,10 @@ async def run_ranks(nranks: int, body: Callable[[int, Collectives], T]) -> list[
             abort.set(f"rank {rank} failed: {exc!r}")
             raise
 
-    # One intra-op thread, as fit gives each rank of a 2-core machine: ranks that are threads
-    # of one process would otherwise share OpenMP teams whose size (and so the order of float
-    # sums) varies with the load, and "bitwise equal" tests would fail now and then.
+    # One intra-op thread per rank, as fit gives each rank of a 2-core machine, set on each
+    # rank's own thread (OpenMP keeps the thread count per thread): ranks that are threads of
+    # one process otherwise run OpenMP teams side by side whose split of a reduction, and so
+    # the order of float sums, differs from run to run (two identical runs differed).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

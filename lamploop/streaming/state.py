@@ -119,6 +119,7 @@ class StreamState:
         names = list(producers)
         if nranks > 1 and rank == 0:  # the root hands the producers out; the others take theirs
             options.setdefault("directory_assignments", {n: producer_rank(names, n, nranks) for n in names})
+            options.setdefault("directory_index", 0)  # its own share at once; the others' wait
         self.receiver = SampleReceiver(
             self.buffer,
             token=token,

@@ -22,20 +22,24 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "workers" / "stateful_strategy.py"
 
 
-def _run(strategy: str, directory: Path, max_epochs: int) -> None:
+def _start(strategy: str, directory: Path, max_epochs: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), strategy, str(directory), str(max_epochs)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _finish(run: subprocess.Popen[str], strategy: str, max_epochs: int) -> None:
     try:
-        done = subprocess.run(
-            [sys.executable, str(WORKER), strategy, str(directory), str(max_epochs)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{strategy}: the run did not end within 90 s:\n{exc.stdout}\n{exc.stderr}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"finished at epoch {max_epochs}" in done.stdout
+        out, _ = run.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        pytest.fail(f"{strategy}: the run did not end within 90 s:\n{run.communicate()[0]}")
+    assert run.returncode == 0, out
+    assert f"finished at epoch {max_epochs}" in out
 
 
 @pytest.mark.slow
@@ -44,17 +48,18 @@ def _run(strategy: str, directory: Path, max_epochs: int) -> None:
 def test_a_resumed_run_with_a_stateful_strategy_equals_an_uninterrupted_one(
     strategy: str, tmp_path: Path
 ) -> None:
-    _run(strategy, tmp_path / "whole", 3)
-    _run(strategy, tmp_path / "resumed", 1)
-    _run(strategy, tmp_path / "resumed", 3)
-    whole, resumed = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "resumed")
-    assert {"sync", "sync.rank1"} <= set(whole.extras)
-    rank0, _ = whole.extras["sync"]
-    rank1, _ = whole.extras["sync.rank1"]
+    whole, first = _start(strategy, tmp_path / "whole", 3), _start(strategy, tmp_path / "resumed", 1)
+    _finish(whole, strategy, 3)  # side by side: independent runs of 2 ranks each
+    _finish(first, strategy, 1)
+    _finish(_start(strategy, tmp_path / "resumed", 3), strategy, 3)
+    whole_run, resumed = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "resumed")
+    assert {"sync", "sync.rank1"} <= set(whole_run.extras)
+    rank0, _ = whole_run.extras["sync"]
+    rank1, _ = whole_run.extras["sync.rank1"]
     assert rank0, "the strategy saved no state"
     if strategy.startswith("powersgd"):  # each rank keeps its own error feedback
         assert any(not torch.equal(rank0[k], rank1[k]) for k in rank0 if k.startswith("error."))
-    for name, tensor in whole.state.model.items():
+    for name, tensor in whole_run.state.model.items():
         assert torch.equal(tensor, resumed.state.model[name]), f"{strategy}: {name} differs after the resume"
     for name, tensor in rank1.items():
         assert torch.equal(tensor, resumed.extras["sync.rank1"][0][name]), f"{strategy}: rank 1's {name}"

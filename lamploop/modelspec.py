@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
+import cattrs
 import torch
 
 from lamploop.model import unwrapped
 
-__all__ = ["ModelSpec", "TensorSpec", "describe_mismatch", "model_spec"]
+__all__ = [
+    "ModelSpec",
+    "TensorSpec",
+    "describe_mismatch",
+    "model_spec",
+    "model_spec_from_json",
+    "model_spec_to_json",
+    "register_model_spec_json",
+]
 
 
 @attrs.frozen
@@ -88,3 +98,40 @@ def describe_mismatch(
     if not parts:
         parts.append(f"the tensors are in another order ({expected_label} vs {actual_label})")
     return "; ".join(parts)
+
+
+def model_spec_to_json(spec: ModelSpec) -> list[list[Any]]:
+    """``spec`` as JSON: ``[[name, [dims...], dtype], ...]`` in order."""
+    return [[t.name, list(t.shape), t.dtype] for t in spec.tensors]
+
+
+def model_spec_from_json(value: Any, _type: Any = None) -> ModelSpec:
+    """The inverse of :func:`model_spec_to_json`, strict (a cattrs structure hook).
+
+    Raises:
+        TypeError: not a list of ``[name, [non-negative ints], dtype]``.
+    """
+    if not isinstance(value, list):
+        msg = f"a model spec is a list of [name, shape, dtype], got {type(value).__name__}"
+        raise TypeError(msg)
+    tensors = []
+    for item in value:
+        ok = (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and isinstance(item[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1])
+            and isinstance(item[2], str)
+        )
+        if not ok:
+            msg = f"a model spec entry is [name, [non-negative ints], dtype], got {item!r:.80}"
+            raise TypeError(msg)
+        tensors.append(TensorSpec(item[0], tuple(item[1]), item[2]))
+    return ModelSpec(tuple(tensors))
+
+
+def register_model_spec_json(converter: cattrs.Converter) -> None:
+    """Teach ``converter`` the JSON form of :class:`ModelSpec` (both ways)."""
+    converter.register_unstructure_hook(ModelSpec, model_spec_to_json)
+    converter.register_structure_hook(ModelSpec, model_spec_from_json)

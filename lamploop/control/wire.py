@@ -28,7 +28,7 @@ import cattrs
 
 from lamploop.control.commands import Rendezvous, Stop, Train, Valid
 from lamploop.errors import FrameError
-from lamploop.modelspec import ModelSpec, TensorSpec
+from lamploop.modelspec import ModelSpec, register_model_spec_json
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -177,36 +177,12 @@ def _strict(expected: type[Any] | tuple[type[Any], ...], name: str) -> Callable[
     return hook
 
 
-def _structure_spec(value: Any, _type: Any) -> ModelSpec:
-    if not isinstance(value, list):
-        msg = f"a model spec is a list of [name, shape, dtype], got {type(value).__name__}"
-        raise TypeError(msg)
-    tensors = []
-    for item in value:
-        ok = (
-            isinstance(item, list)
-            and len(item) == 3
-            and isinstance(item[0], str)
-            and isinstance(item[1], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1])
-            and isinstance(item[2], str)
-        )
-        if not ok:
-            msg = f"a model spec entry is [name, [non-negative ints], dtype], got {item!r:.80}"
-            raise TypeError(msg)
-        tensors.append(TensorSpec(item[0], tuple(item[1]), item[2]))
-    return ModelSpec(tuple(tensors))
-
-
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook(int, _strict(int, "an integer"))
     converter.register_structure_hook(float, _strict((int, float), "a number"))
     converter.register_structure_hook(str, _strict(str, "a string"))
-    converter.register_unstructure_hook(
-        ModelSpec, lambda spec: [[t.name, list(t.shape), t.dtype] for t in spec.tensors]
-    )
-    converter.register_structure_hook(ModelSpec, _structure_spec)
+    register_model_spec_json(converter)
     return converter
 
 

@@ -15,14 +15,13 @@ Until the proof checks out a frame may not exceed
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 import anyio
 import anyio.abc
 
-from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
+from lamploop.control._framed import FramedBytes
 from lamploop.control.wire import new_nonce, proof_matches
-from lamploop.errors import ControlChannelError, HandshakeError
+from lamploop.errors import HandshakeError
 from lamploop.federated.wire import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -41,28 +40,17 @@ __all__ = ["Link", "accept_node", "join_aggregator"]
 
 logger = logging.getLogger("lamploop.federated")
 
-_RECEIVE_BYTES = 1024 * 1024
 
-
-class Link:
+class Link(FramedBytes[Message]):
     """A byte stream that sends and receives whole federated messages."""
 
     def __init__(
         self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None
     ) -> None:
-        self.stream = stream
+        decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES))
+        super().__init__(stream, decoder, peer=peer)
+        self.decoder: FrameDecoder = decoder
         self.max_frame_bytes = max_frame_bytes
-        self.decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES))
-        self._peer = peer
-        self._pending: deque[Message] = deque()
-        self._ended = False
-
-    @property
-    def peer(self) -> str:
-        """Who is at the other end, for messages."""
-        if self._peer is None:
-            self._peer = remote(self.stream)
-        return self._peer
 
     def authenticated(self, name: str) -> None:
         """The peer proved the token: name it and lift the frame limit to ``max_frame_bytes``."""
@@ -84,11 +72,7 @@ class Link:
         Raises:
             ControlChannelError: the connection failed.
         """
-        try:
-            await self.stream.send(data)
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            msg = f"sending to {self.peer} failed: {explain(exc)}"
-            raise ControlChannelError(msg) from exc
+        await self.send_bytes(data)
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream.
@@ -97,35 +81,11 @@ class Link:
             FrameError: a bad frame.
             ControlChannelError: the connection failed or ended inside a frame.
         """
-        while not self._pending:
-            if self._ended:
-                return None
-            try:
-                data = await self.stream.receive(_RECEIVE_BYTES)
-            except anyio.EndOfStream:
-                self._ended = True
-                if self.decoder.buffered:
-                    msg = f"{self.peer} closed the connection in the middle of a frame"
-                    raise ControlChannelError(msg) from None
-                return None
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                msg = f"receiving from {self.peer} failed: {explain(exc)}"
-                raise ControlChannelError(msg) from exc
-            self._pending.extend(self.decoder.feed(data))
-        return self._pending.popleft()
+        return await self.receive_item()
 
     async def send_best_effort(self, message: Message) -> None:
-        """Try to send last words within :data:`GOODBYE_TIMEOUT`, even in a cancelled scope."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
-            try:
-                await self.send(message)
-            except ControlChannelError as exc:
-                logger.debug("could not tell %s %r: %s", self.peer, message, exc)
-
-    async def aclose(self) -> None:
-        """Close at once, also in a cancelled scope."""
-        with anyio.CancelScope(shield=True):
-            await anyio.aclose_forcefully(self.stream)
+        """Try to send last words within a short bound, even in a cancelled scope."""
+        await self.last_words(lambda: self.send(message), message)
 
 
 async def accept_node(link: Link, token: bytes) -> str:

@@ -41,7 +41,7 @@ import torch
 from lamploop.checkpoint.files import read_json_object
 from lamploop.config import _converter, _field_errors, _write_atomically
 from lamploop.errors import ConfigurationError
-from lamploop.modelspec import ModelSpec, TensorSpec, model_spec
+from lamploop.modelspec import ModelSpec, model_spec, register_model_spec_json
 
 __all__ = [
     "AVERAGE_CHOICES",
@@ -253,27 +253,6 @@ class TrainingPlan:
             raise ConfigurationError(msg)
 
 
-def _structure_spec(value: Any, _type: Any) -> ModelSpec:
-    if not isinstance(value, list):
-        msg = f"expected a list of [name, shape, dtype], got {type(value).__name__}"
-        raise TypeError(msg)
-    tensors = []
-    for item in value:
-        ok = (
-            isinstance(item, list)
-            and len(item) == 3
-            and isinstance(item[0], str)
-            and isinstance(item[1], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[1])
-            and isinstance(item[2], str)
-        )
-        if not ok:
-            msg = f"expected [name, [non-negative ints], dtype], got {item!r:.80}"
-            raise TypeError(msg)
-        tensors.append(TensorSpec(item[0], tuple(item[1]), item[2]))
-    return ModelSpec(tuple(tensors))
-
-
 def _structure_options(value: Any, _type: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         msg = f"expected an object, got {type(value).__name__}"
@@ -283,10 +262,7 @@ def _structure_options(value: Any, _type: Any) -> dict[str, Any]:
 
 def _make_converter() -> cattrs.Converter:
     converter = _converter()
-    converter.register_unstructure_hook(
-        ModelSpec, lambda spec: [[t.name, list(t.shape), t.dtype] for t in spec.tensors]
-    )
-    converter.register_structure_hook(ModelSpec, _structure_spec)
+    register_model_spec_json(converter)
     converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], _structure_options)
     return converter
 

@@ -65,9 +65,9 @@ import anyio.abc
 import attrs
 import torch
 
-from lamploop.control._connection import GOODBYE_TIMEOUT, explain, remote
+from lamploop.control._framed import FramedBytes
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
-from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
+from lamploop.errors import ConfigurationError, FrameError, StreamingError
 from lamploop.streaming.tensor_bytes import address_of, decode_tensors, encode_tensors
 
 __all__ = [
@@ -644,74 +644,32 @@ def redirect_proof(token: bytes, *, receiver_nonce: str, hello: Hello, host: str
 
 # -- I/O --
 
-_RECEIVE_BYTES = 1024 * 1024
 
-
-class FramedStream:
+class FramedStream(FramedBytes[tuple[Message, int]]):
     """A byte stream that sends frames and receives whole messages.
 
-    Transport errors (``OSError``, anyio's broken or closed resources) become
-    :class:`~lamploop.errors.ControlChannelError`; a bad frame raises
+    Transport errors become :class:`~lamploop.errors.StreamingError`; a bad frame raises
     :class:`~lamploop.errors.FrameError`.  The callers bound the time of every call.
     """
 
     def __init__(self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None):
-        self.stream = stream
-        self.decoder = FrameDecoder(max_frame_bytes=max_frame_bytes)
+        decoder = FrameDecoder(max_frame_bytes=max_frame_bytes)
+        super().__init__(stream, decoder, peer=peer, error=StreamingError)
+        self.decoder: FrameDecoder = decoder
         self.last_frame_bytes = 0
-        self._peer = peer
-        self._pending: deque[tuple[Message, int]] = deque()
-        self._ended = False
-
-    @property
-    def peer(self) -> str:
-        """Who is at the other end, for messages (``host:port`` unless given)."""
-        if self._peer is None:
-            self._peer = remote(self.stream)
-        return self._peer
-
-    @property
-    def has_pending(self) -> bool:
-        """Whether a message already received waits to be read (the peer's stream is not idle)."""
-        return bool(self._pending)
 
     async def send(self, data: bytes) -> None:
-        """Send encoded frames; raises ControlChannelError."""
-        try:
-            await self.stream.send(data)
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            msg = f"sending to {self.peer} failed: {explain(exc)}"
-            raise StreamingError(msg) from exc
+        """Send encoded frames; raises StreamingError."""
+        await self.send_bytes(data)
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream; raises ControlChannelError / FrameError."""
-        while not self._pending:
-            if self._ended:
-                return None
-            try:
-                data = await self.stream.receive(_RECEIVE_BYTES)
-            except anyio.EndOfStream:
-                self._ended = True
-                if self.decoder.buffered:
-                    msg = f"{self.peer} closed the connection in the middle of a frame"
-                    raise StreamingError(msg) from None
-                return None
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                msg = f"receiving from {self.peer} failed: {explain(exc)}"
-                raise StreamingError(msg) from exc
-            self._pending.extend(self.decoder.feed(data))
-        message, self.last_frame_bytes = self._pending.popleft()
+        item = await self.receive_item()
+        if item is None:
+            return None
+        message, self.last_frame_bytes = item
         return message
 
     async def send_best_effort(self, message: Message) -> None:
-        """Try to send last words (a Refuse) within :data:`GOODBYE_TIMEOUT`, even in a cancelled scope."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
-            try:
-                await self.send(encode_frame(message))
-            except ControlChannelError as exc:
-                logger.debug("could not tell %s %r: %s", self.peer, message, exc)
-
-    async def aclose(self) -> None:
-        """Close at once, also in a cancelled scope."""
-        with anyio.CancelScope(shield=True):
-            await anyio.aclose_forcefully(self.stream)
+        """Try to send last words (a Refuse) within a short bound, even in a cancelled scope."""
+        await self.last_words(lambda: self.send(encode_frame(message)), message)

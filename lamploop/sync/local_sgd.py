@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from lamploop.errors import CheckpointError, ConfigurationError, DistributedError
+from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives
-from lamploop.sync.strategy import GradientSync
+from lamploop.sync.strategy import GradientSync, check_saved_state
 
 __all__ = ["LocalSGD", "LocalSGDSync", "OuterNesterov"]
 
@@ -207,16 +207,7 @@ class LocalSGDSync:
         Raises:
             CheckpointError: keys or shapes that do not match.
         """
-        expected = self.state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-            msg = f"local SGD state: missing keys {missing}, unexpected {extra} (another strategy or model?)"
-            raise CheckpointError(msg)
-        for key, tensor in state.items():
-            if tensor.shape != expected[key].shape:
-                want = tuple(expected[key].shape)
-                msg = f"local SGD state {key!r}: shape {tuple(tensor.shape)}, expected {want}"
-                raise CheckpointError(msg)
+        check_saved_state("local SGD", state, self.state_dict())
         self._steps_in_window = int(state["steps_in_window"])
         self._window_local, self._window_total = (int(v) for v in state["window_examples"].tolist())
         if self._anchor is not None and self._momentum is not None:

@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from lamploop.errors import CheckpointError, ConfigurationError
+from lamploop.errors import ConfigurationError
 from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives, Work
-from lamploop.sync.strategy import GradientSync
+from lamploop.sync.strategy import GradientSync, check_saved_state
 
 __all__ = ["PowerSGD", "PowerSGDSync"]
 
@@ -221,16 +221,7 @@ class PowerSGDSync:
         Raises:
             CheckpointError: keys or shapes that do not match this model's compressed gradients.
         """
-        expected = self.state_dict()
-        if set(state) != set(expected):
-            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-            msg = f"PowerSGD state: missing keys {missing}, unexpected keys {extra} (another model or rank?)"
-            raise CheckpointError(msg)
-        for key, tensor in state.items():
-            if tensor.shape != expected[key].shape:
-                want = tuple(expected[key].shape)
-                msg = f"PowerSGD state {key!r}: shape {tuple(tensor.shape)}, expected {want}"
-                raise CheckpointError(msg)
+        check_saved_state("PowerSGD", state, self.state_dict())
         self.steps = int(state["steps"])
         for i, m in self._matrices.items():
             m.q = state[f"q.{i}"].to(m.q).clone()

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lamploop.errors import ConfigurationError
+from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.sync.collectives import Collectives
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "CountsStepExamples",
     "GradientSync",
     "SyncStrategy",
+    "check_saved_state",
     "check_strategy_name",
     "keeps_state",
     "optimizer_state_per_rank",
@@ -134,6 +135,25 @@ class SyncStrategy(Protocol):
     ) -> GradientSync:
         """The sync of ``parameters`` (of ``modules``, for hooks) over ``collectives``."""
         ...
+
+
+def check_saved_state(
+    what: str, state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+) -> None:
+    """A saved sync state fits this sync: ``expected``'s keys (its own ``state_dict()``) and shapes.
+
+    Raises:
+        CheckpointError: keys missing or unexpected, or a shape that differs (saved by another
+            strategy, model or rank).
+    """
+    if set(state) != set(expected):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        msg = f"{what} state: missing keys {missing}, unexpected keys {extra} (another strategy or model?)"
+        raise CheckpointError(msg)
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            msg = f"{what} state {key!r}: shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
+            raise CheckpointError(msg)
 
 
 def keeps_state(strategy: SyncStrategy) -> bool:

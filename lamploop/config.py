@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Final, TypeVar
 
 import attrs
-import cattrs
-import cattrs.errors
-import cattrs.v
 
 from lamploop.checkpoint.files import read_json_object
 from lamploop.errors import ConfigurationError
+from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
 __all__ = ["CONFIG_NAME", "DemoConfig", "load_config", "resolve_config", "save_config"]
 
@@ -73,97 +70,7 @@ class DemoConfig:
     hidden_sizes: tuple[int, ...] = attrs.field(default=(128, 64), converter=tuple)
 
 
-# --------------------------------------------------------------------------------------------
-# JSON through cattrs, strictly: no "32" for 32, no 3.0 for 3, no true for 1.
-
-
-def _kind(value: object) -> str:
-    return type(value).__name__
-
-
-def _strict_int(value: object, _: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"expected an integer, got {value!r} ({_kind(value)})"
-        raise TypeError(msg)
-    return value
-
-
-def _strict_float(value: object, _: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"expected a number, got {value!r} ({_kind(value)})"
-        raise TypeError(msg)
-    return float(value)
-
-
-def _strict_bool(value: object, _: object) -> bool:
-    if not isinstance(value, bool):
-        msg = f"expected true or false, got {value!r} ({_kind(value)})"
-        raise TypeError(msg)
-    return value
-
-
-def _strict_str(value: object, _: object) -> str:
-    if not isinstance(value, str):
-        msg = f"expected a string, got {value!r} ({_kind(value)})"
-        raise TypeError(msg)
-    return value
-
-
-def _is_sequence_type(t: Any) -> bool:
-    return getattr(t, "__origin__", None) in (tuple, list)
-
-
-def _strict_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True)
-    converter.register_structure_hook(int, _strict_int)
-    converter.register_structure_hook(float, _strict_float)
-    converter.register_structure_hook(bool, _strict_bool)
-    converter.register_structure_hook(str, _strict_str)
-    return converter
-
-
-def _converter() -> cattrs.Converter:
-    """Strict scalars, and lists only where a tuple or list is expected (not a string or an object)."""
-    converter = _strict_converter()
-    elements = _strict_converter()
-
-    def sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
-        structure_items = elements.get_structure_hook(t)
-
-        def structure(value: Any, target: Any) -> Any:
-            if not isinstance(value, list):
-                msg = f"expected a list, got {value!r} ({_kind(value)})"
-                raise TypeError(msg)
-            return structure_items(value, target)
-
-        return structure
-
-    converter.register_structure_hook_factory(_is_sequence_type, sequence_hook)
-    return converter
-
-
-_CONVERTER: Final = _converter()
-
-
-def _describe(exc: BaseException, target: type | None) -> str:
-    if isinstance(exc, cattrs.errors.ForbiddenExtraKeysError):
-        names = ", ".join(sorted(exc.extra_fields))
-        return f"unknown field {names}" if len(exc.extra_fields) == 1 else f"unknown fields {names}"
-    if isinstance(exc, KeyError):
-        return "missing"
-    if isinstance(exc, (TypeError, ValueError)) and str(exc).startswith("expected "):
-        return str(exc)
-    return cattrs.v.format_exception(exc, target)
-
-
-def _field_errors(exc: Exception) -> list[str]:
-    """``"field: what is wrong"`` for each error cattrs found (the field first, no ``$``)."""
-    out = []
-    for line in cattrs.transform_error(exc, path="$", format_exception=_describe):
-        what, _, where = line.rpartition(" @ ")
-        field = where.removeprefix("$").removeprefix(".")
-        out.append(f"{field}: {what}" if field else what)
-    return out
+_CONVERTER: Final = strict_converter()
 
 
 def _kind_of(cls: type) -> str:
@@ -173,35 +80,6 @@ def _kind_of(cls: type) -> str:
 def _version_of(cls: type) -> int:
     version = getattr(cls, "config_version", 1)
     return version if isinstance(version, int) else 1
-
-
-# --------------------------------------------------------------------------------------------
-# Files
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "nt":  # Windows cannot open a directory to fsync it.
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to a hidden temporary sibling, fsync it, and rename it over ``path``."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def save_config(config: attrs.AttrsInstance, directory: str | os.PathLike[str]) -> Path:
@@ -224,7 +102,7 @@ def save_config(config: attrs.AttrsInstance, directory: str | os.PathLike[str]) 
         "config": _CONVERTER.unstructure(config),
     }
     path = root / CONFIG_NAME
-    _write_atomically(path, (json.dumps(document, indent=2) + "\n").encode("utf-8"))
+    write_atomically(path, (json.dumps(document, indent=2) + "\n").encode("utf-8"))
     return path
 
 
@@ -265,7 +143,7 @@ def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
     try:
         return _CONVERTER.structure(body, cls)
     except Exception as e:  # cattrs raises ClassValidationError (an ExceptionGroup) and friends
-        msg = f"{path}: {'; '.join(_field_errors(e))}"
+        msg = f"{path}: {'; '.join(field_errors(e))}"
         raise ConfigurationError(msg) from e
 
 

@@ -23,9 +23,9 @@ import attrs
 import cattrs
 
 from lamploop.checkpoint.files import read_json_object
-from lamploop.config import _converter, _field_errors, _write_atomically
 from lamploop.errors import ConfigurationError
 from lamploop.federated.plan import TrainingPlan, plan_hash
+from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
 __all__ = ["AllowList", "Approval", "approve_plan", "load_allow_list", "save_allow_list"]
 
@@ -58,7 +58,7 @@ class AllowList:
         return any(entry.hash == digest for entry in self.approved)
 
 
-_CONVERTER = _converter()
+_CONVERTER = strict_converter()
 
 
 def load_allow_list(path: str | os.PathLike[str], *, missing_ok: bool = False) -> AllowList:
@@ -82,7 +82,7 @@ def load_allow_list(path: str | os.PathLike[str], *, missing_ok: bool = False) -
         msg = f"{target}: {exc}"
         raise ConfigurationError(msg) from exc
     except cattrs.BaseValidationError as exc:
-        msg = f"{target}: {'; '.join(_field_errors(exc))}"
+        msg = f"{target}: {'; '.join(field_errors(exc))}"
         raise ConfigurationError(msg) from exc
 
 
@@ -91,7 +91,7 @@ def save_allow_list(allow_list: AllowList, path: str | os.PathLike[str]) -> Path
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_CONVERTER.unstructure(allow_list), indent=2) + "\n"
-    _write_atomically(target, text.encode())
+    write_atomically(target, text.encode())
     return target
 
 

@@ -39,9 +39,9 @@ import cattrs
 import torch
 
 from lamploop.checkpoint.files import read_json_object
-from lamploop.config import _converter, _field_errors, _write_atomically
 from lamploop.errors import ConfigurationError
 from lamploop.modelspec import ModelSpec, model_spec, register_model_spec_json
+from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
 __all__ = [
     "AVERAGE_CHOICES",
@@ -260,14 +260,14 @@ def _structure_options(value: Any, _type: Any) -> dict[str, Any]:
     return value
 
 
-def _make_converter() -> cattrs.Converter:
-    converter = _converter()
+def _makestrict_converter() -> cattrs.Converter:
+    converter = strict_converter()
     register_model_spec_json(converter)
     converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], _structure_options)
     return converter
 
 
-PLAN_CONVERTER: Final = _make_converter()
+PLAN_CONVERTER: Final = _makestrict_converter()
 
 
 def plan_to_json(plan: TrainingPlan) -> dict[str, Any]:
@@ -291,7 +291,7 @@ def plan_from_json(obj: object, *, where: str = "plan") -> TrainingPlan:
         msg = f"{where}: {exc}"
         raise ConfigurationError(msg) from exc
     except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:
-        details = _field_errors(exc) if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
+        details = field_errors(exc) if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
         msg = f"{where}: {'; '.join(details)}"
         raise ConfigurationError(msg) from exc
 
@@ -310,7 +310,7 @@ def save_plan(plan: TrainingPlan, path: str | os.PathLike[str]) -> Path:
     """Write the plan as JSON to ``path`` (atomically); returns the path."""
     target = Path(path)
     text = json.dumps(plan_to_json(plan), sort_keys=True, indent=2) + "\n"
-    _write_atomically(target, text.encode())
+    write_atomically(target, text.encode())
     return target
 
 

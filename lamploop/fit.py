@@ -326,8 +326,11 @@ async def fit_async(
     extras = _check_checkpoint_extras(
         checkpoint_extras, checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds
     )
-    _check_stateful_strategy(settings.strategy, extras, checkpoint_every_n_steps, checkpoint_every_seconds)
     place = _place(world_size, device)
+    if place.nranks > 1:  # one rank syncs nothing: its strategy keeps no state
+        _check_stateful_strategy(
+            settings.strategy, extras, checkpoint_every_n_steps, checkpoint_every_seconds
+        )
     if place.env is None and place.nranks > 1 and launch_command is None:
         launch_command = default_launch_command(place.nranks)
     spec = model_spec(model.module)

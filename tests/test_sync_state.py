@@ -63,3 +63,44 @@ def test_a_resumed_run_with_a_stateful_strategy_equals_an_uninterrupted_one(
         assert torch.equal(tensor, resumed.state.model[name]), f"{strategy}: {name} differs after the resume"
     for name, tensor in rank1.items():
         assert torch.equal(tensor, resumed.extras["sync.rank1"][0][name]), f"{strategy}: rank 1's {name}"
+
+
+class _Extra:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        return {}, {}
+
+    def load_state_dict(self, tensors: object, meta: object) -> None:
+        """Nothing to restore."""
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {"checkpoint_every_n_steps": 5},
+            "checkpoint_every_n_steps cannot be combined with strategy 'powersgd4'",
+        ),
+        ({"checkpoint_every_seconds": 60.0}, "checkpoint_every_seconds cannot be combined with strategy"),
+        ({"checkpoint_extras": {"sync": _Extra()}}, "name 'sync' is taken by strategy 'powersgd4'"),
+    ],
+)
+def test_a_stateful_strategy_refuses_what_would_lose_its_state_before_any_rank_starts(
+    tmp_path: Path, options: dict[str, object], expected: str
+) -> None:
+    import lamploop
+    from lamploop.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=expected):
+        lamploop.fit(
+            model=lamploop.SupervisedModel(torch.nn.Linear(2, 2)),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+            train_batches=lamploop.tensor_batches(
+                torch.randn(8, 2), torch.zeros(8, dtype=torch.long), batch_size=4
+            ),
+            max_epochs=1,
+            checkpoint_dir=tmp_path,
+            strategy="powersgd4",
+            world_size=2,
+            launch_command=["false"],  # never run: the refusal comes first
+            **options,  # type: ignore[arg-type]
+        )

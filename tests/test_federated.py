@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from pathlib import Path
 
@@ -241,3 +242,62 @@ def test_a_node_that_joins_during_a_round_gets_that_round(tmp_path: Path) -> Non
     (record,) = result.rounds
     assert [r.node for r in record.answered] == ["node-0", "node-1"]
     _assert_close(dict(result.model), _sgd_steps(plan, (0, 80), steps=1))
+
+
+def test_a_welcome_and_a_large_first_task_in_one_read_are_both_taken() -> None:
+    """The node's pre-authentication frame limit (4 KiB) is lifted by the welcome: a round task
+    arriving in the same read must not be judged by it (found as a flaky example run: the node
+    dropped the connection and the round went on without it)."""
+    from lamploop.control.wire import new_nonce
+    from lamploop.federated.link import Link, join_aggregator
+    from lamploop.federated.wire import (
+        PROTOCOL_VERSION,
+        Challenge,
+        FrameDecoder,
+        Hello,
+        RoundTask,
+        Welcome,
+        aggregator_proof,
+        encode_frame,
+    )
+
+    token = b"t" * 32
+    model = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB: far over the pre-auth limit
+
+    async def aggregator(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await handshake_then_task(stream)
+
+    async def handshake_then_task(stream: anyio.abc.SocketStream) -> None:
+        nonce = new_nonce()
+        await stream.send(encode_frame(Challenge(PROTOCOL_VERSION, nonce)))
+        decoder = FrameDecoder(max_frame_bytes=4096)
+        hello: list[object] = []
+        while not hello:
+            hello.extend(decoder.feed(await stream.receive()))
+        assert isinstance(hello[0], Hello)
+        welcome = Welcome(aggregator_proof(token, aggregator_nonce=nonce, hello=hello[0]))
+        both = encode_frame(welcome) + encode_frame(RoundTask(0, {"name": "p"}, model))
+        await stream.send(both)  # in one write
+        with contextlib.suppress(anyio.EndOfStream):
+            await stream.receive()  # until the node closes
+
+    async def main() -> RoundTask:
+        async with (
+            await anyio.create_tcp_listener(local_host="127.0.0.1") as listener,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(listener.serve, aggregator)
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            with anyio.fail_after(10):
+                link = Link(await anyio.connect_tcp("127.0.0.1", port), max_frame_bytes=1 << 20)
+                await join_aggregator(link, token, "node-0")
+                task = await link.receive()
+                await link.aclose()
+            tg.cancel_scope.cancel()
+        assert isinstance(task, RoundTask)
+        return task
+
+    task = anyio.run(main)
+    assert task.round == 0
+    assert torch.equal(task.tensors["w"], model["w"])

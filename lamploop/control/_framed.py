@@ -67,6 +67,7 @@ class FramedBytes(Generic[Item]):
         self._error = error
         self._pending: deque[Item] = deque()
         self._ended = False
+        self._more_buffered = False
 
     @property
     def peer(self) -> str:
@@ -100,6 +101,9 @@ class FramedBytes(Generic[Item]):
             ControlChannelError: (the ``error`` class) the connection failed or ended inside a frame.
         """
         while not self._pending:
+            if self._more_buffered:  # whole frames the decoder kept for later: take them first
+                self._feed(b"")
+                continue
             if self._ended:
                 return None
             try:
@@ -113,8 +117,16 @@ class FramedBytes(Generic[Item]):
             except _TRANSPORT_ERRORS as exc:
                 msg = f"receiving from {self.peer} failed: {explain(exc)}"
                 raise self._error(msg) from exc
-            self._pending.extend(self.decoder.feed(data))
+            self._feed(data)
         return self._pending.popleft()
+
+    def _feed(self, data: bytes) -> None:
+        self._pending.extend(self.decoder.feed(data))
+        # A decoder that hands out one frame per feed (until a limit is lifted, once the peer
+        # proved the token) may keep whole frames: look again before reading more.
+        self._more_buffered = (
+            bool(getattr(self.decoder, "one_at_a_time", False)) and self.decoder.buffered > 0
+        )
 
     async def last_words(self, send: Callable[[], Awaitable[None]], what: object) -> None:
         """Try ``send()`` (a Refuse...) within :data:`GOODBYE_TIMEOUT`, even in a cancelled scope."""

@@ -47,7 +47,7 @@ class Link(FramedBytes[Message]):
     def __init__(
         self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None
     ) -> None:
-        decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES))
+        decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES), one_at_a_time=True)
         super().__init__(stream, decoder, peer=peer)
         self.decoder: FrameDecoder = decoder
         self.max_frame_bytes = max_frame_bytes
@@ -56,6 +56,7 @@ class Link(FramedBytes[Message]):
         """The peer proved the token: name it and lift the frame limit to ``max_frame_bytes``."""
         self._peer = name
         self.decoder.max_frame_bytes = self.max_frame_bytes
+        self.decoder.one_at_a_time = False
 
     async def send(self, message: Message) -> None:
         """Send one message.

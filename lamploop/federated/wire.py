@@ -417,13 +417,17 @@ class FrameDecoder:
 
     The announced length is checked against :attr:`max_frame_bytes` as soon as the 4-byte
     header is complete.  After a :class:`FrameError` every later :meth:`feed` raises again.
+    With :attr:`one_at_a_time` (before the peer proved the token) a call decodes one frame
+    at most and keeps the rest: the limit may be lifted before the next frame is looked at
+    (an aggregator's welcome and its first round's task can arrive in one read).
     """
 
-    def __init__(self, *, max_frame_bytes: int) -> None:
+    def __init__(self, *, max_frame_bytes: int, one_at_a_time: bool = False) -> None:
         if max_frame_bytes < 1:
             msg = f"max_frame_bytes must be positive, got {max_frame_bytes}"
             raise ValueError(msg)
         self.max_frame_bytes = max_frame_bytes
+        self.one_at_a_time = one_at_a_time
         self._buffer = bytearray()
         self._error: FrameError | None = None
 
@@ -457,6 +461,8 @@ class FrameDecoder:
                     break
                 messages.append(decode_body(bytes(buffer[offset + HEADER_BYTES : end])))
                 offset = end
+                if self.one_at_a_time:
+                    break
         except FrameError as exc:
             self._error = exc
             buffer.clear()

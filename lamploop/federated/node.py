@@ -45,6 +45,7 @@ from lamploop.errors import (
     ConfigurationError,
     ControlChannelError,
     FederatedError,
+    FrameError,
     HandshakeError,
     NonFiniteLossError,
 )
@@ -346,6 +347,8 @@ async def _reach(
             raise
         except (OSError, ControlChannelError, TimeoutError) as exc:
             last = explain(exc)
+            if isinstance(exc, FrameError):  # not the aggregator being away: say it, then retry
+                logger.warning("node %s: joining the aggregator failed, trying again: %s", name, last)
         await anyio.sleep(config.retry_interval)
     waited = config.connect_timeout
     msg = f"node {name!r} could not reach the aggregator at {host}:{port} for {waited:g} s: {last}"

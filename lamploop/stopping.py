@@ -20,8 +20,8 @@ import functools
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import ParamSpec, TypeVar
 
 import anyio
@@ -119,19 +119,42 @@ def _beside_the_loop(job: Callable[[], Awaitable[R]]) -> R:
         return anyio.run(job)
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lamploop-fit")
+    with _ctrl_c_requests_stops(stop):
+        try:
+            result = pool.submit(in_thread)
+            while True:
+                try:
+                    return result.result()
+                except KeyboardInterrupt:  # SIGINT's handler is not ours (not the main thread)
+                    _interrupted(stop)
+        finally:
+            # Only reached once the run has ended (result() returned or raised its error).
+            pool.shutdown(wait=False)
+
+
+def _interrupted(stop: StopRequest) -> None:
+    if stop.is_set():
+        stop.request_at_once()
+        logger.info("interrupted again: stopping at once")
+    else:
+        stop.request("SIGINT")
+        logger.info("interrupted: stopping after the current step (again to stop at once)")
+
+
+@contextmanager
+def _ctrl_c_requests_stops(stop: StopRequest) -> Iterator[None]:
+    """While the main thread waits for the run, SIGINT requests a stop instead of raising.
+
+    A ``KeyboardInterrupt`` can be raised at any bytecode: a second Ctrl-C arriving while the
+    first one's was being handled, or one arriving outside the wait, would escape and leave
+    the run going on its thread.  A handler of our own never raises.  Off the main thread
+    (where no handler can be set) a ``KeyboardInterrupt`` is turned into a request instead.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: _interrupted(stop))
     try:
-        result = pool.submit(in_thread)
-        while True:
-            try:
-                return result.result()
-            except KeyboardInterrupt:
-                if stop.is_set():
-                    stop.request_at_once()
-                    logger.info("interrupted again: stopping at once")
-                else:
-                    stop.request("SIGINT")
-                    logger.info("interrupted: stopping after the current step (again to stop at once)")
+        yield
     finally:
-        # Only reached once the run has ended (result() returned or raised its error): no
-        # wait here, where a late Ctrl-C would land outside the handler above.
-        pool.shutdown(wait=False)
+        signal.signal(signal.SIGINT, previous)

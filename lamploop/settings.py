@@ -18,7 +18,7 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import attrs
@@ -59,6 +59,15 @@ def check_int(name: str, value: object, low: int) -> int:
         msg = f"{name} must be an int >= {low}, got {value!r}"
         raise ConfigurationError(msg)
     return value
+
+
+def int_at_least(owner: str, low: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """An attrs validator: :func:`check_int` of the field, named ``<owner>: <field>``."""
+
+    def validate(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        check_int(f"{owner}: {attribute.name}", value, low)
+
+    return validate
 
 
 def check_seconds(name: str, value: object) -> float:

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from lamploop.errors import ConfigurationError
+from lamploop.settings import int_at_least
 from lamploop.sync.buckets import BucketedReduction
 from lamploop.sync.collectives import Collectives, Work
 from lamploop.sync.strategy import GradientSync
@@ -160,12 +161,6 @@ def _check_wire(_: object, __: attrs.Attribute[str], value: object) -> None:
         raise ConfigurationError(msg)
 
 
-def _check_growth(_: object, __: attrs.Attribute[int], value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        msg = f"CompressedAllReduce: growth_interval must be an int >= 1, got {value!r}"
-        raise ConfigurationError(msg)
-
-
 def _default_name(self: CompressedAllReduce) -> str:
     return f"all_reduce_{self.wire}"
 
@@ -184,7 +179,7 @@ class CompressedAllReduce:
     """
 
     wire: WireDtype = attrs.field(default="bf16", validator=_check_wire)
-    growth_interval: int = attrs.field(default=200, validator=_check_growth)
+    growth_interval: int = attrs.field(default=200, validator=int_at_least("CompressedAllReduce", 1))
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
 

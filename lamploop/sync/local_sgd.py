@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.settings import int_at_least
 from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import GradientSync, check_saved_state
@@ -220,12 +221,6 @@ class LocalSGDSync:
         self._clear_gradients()
 
 
-def _check_every(_: object, __: attrs.Attribute[int], value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        msg = f"LocalSGD: every_n_steps must be an int >= 1, got {value!r}"
-        raise ConfigurationError(msg)
-
-
 def _check_outer(_: object, __: attrs.Attribute[OuterNesterov | None], value: object) -> None:
     if value is not None and not isinstance(value, OuterNesterov):
         msg = f"LocalSGD: outer must be an OuterNesterov or None, got {value!r}"
@@ -257,7 +252,7 @@ class LocalSGD:
         # then TrainingSettings(strategy="diloco32")
     """
 
-    every_n_steps: int = attrs.field(default=8, validator=_check_every)
+    every_n_steps: int = attrs.field(default=8, validator=int_at_least("LocalSGD", 1))
     outer: OuterNesterov | None = attrs.field(default=None, validator=_check_outer)
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)

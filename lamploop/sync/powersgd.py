@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from lamploop.errors import ConfigurationError
+from lamploop.settings import int_at_least
 from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives, Work
 from lamploop.sync.strategy import GradientSync, check_saved_state
@@ -231,21 +232,9 @@ class PowerSGDSync:
         self.begin_pass()
 
 
-def _check_rank(_: object, __: attrs.Attribute[int], value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        msg = f"PowerSGD: rank must be an int >= 1, got {value!r}"
-        raise ConfigurationError(msg)
-
-
 def _check_ratio(_: object, __: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         msg = f"PowerSGD: min_compression_ratio must be a finite number >= 0, got {value!r}"
-        raise ConfigurationError(msg)
-
-
-def _check_seed(_: object, __: attrs.Attribute[int], value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        msg = f"PowerSGD: seed must be an int >= 0, got {value!r}"
         raise ConfigurationError(msg)
 
 
@@ -273,10 +262,10 @@ class PowerSGD:
         lamploop.register_strategy(PowerSGD(rank=8))  # then TrainingSettings(strategy="powersgd8")
     """
 
-    rank: int = attrs.field(default=4, validator=_check_rank)
+    rank: int = attrs.field(default=4, validator=int_at_least("PowerSGD", 1))
     warm_start: bool = True
     min_compression_ratio: float = attrs.field(default=2.0, validator=_check_ratio)
-    seed: int = attrs.field(default=0, validator=_check_seed)
+    seed: int = attrs.field(default=0, validator=int_at_least("PowerSGD", 0))
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
     keeps_state: bool = attrs.field(default=True, init=False)  # Q and the error feedback, checkpointed

@@ -36,7 +36,7 @@ from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.settings import check_positive
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
-from lamploop.sync.strategy import CountsStepExamples, GradientSync
+from lamploop.sync.strategy import CountsStepExamples, GradientSync, reduces_linearly
 
 __all__ = ["one_epoch"]
 
@@ -222,6 +222,7 @@ class _TrainingPass:
         self.upcoming: Any = None
         self.step_first = 0  # where the current step's batches start in self.losses
         self.skipped_steps = 0
+        self.exact_units = False  # set by run() from the sync (see sync.strategy's module doc)
 
     def _requests(self) -> list[float]:
         if self.boundary is None:
@@ -243,6 +244,8 @@ class _TrainingPass:
     async def run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
         sync = self.channel.gradient_sync(self.model.module)
         told_examples = sync if isinstance(sync, CountsStepExamples) else None
+        # A sync that is not linear is given the step's exact units (see sync.strategy).
+        self.exact_units = not self.single and not reduces_linearly(sync)
         self.model.module.train()
         sync.begin_pass()
         yield_now = Yielder()
@@ -265,6 +268,8 @@ class _TrainingPass:
                 global_count, checkpoint, stop = int(counts), int(wants_checkpoint), int(wants_stop)
             if global_count == 0:
                 break
+            if self.exact_units:  # also on a rank without a batch: every rank's scale is 1.0
+                expected = global_count
             self.previous_global_count = global_count
             if told_examples is not None:
                 told_examples.step_examples(expected=expected, local=group_count, total=global_count)
@@ -365,13 +370,28 @@ class _TrainingPass:
         if stop:
             raise EpochStopped(progress)
 
+    def _exact_divisor(self, pending: PendingSum, *, guess: int) -> int:
+        """The step's global example count, waited for before its last backward.
+
+        The step's earlier batches were backpropagated with ``guess``: their gradients are
+        rescaled to the count (only when the guess missed, at a pass's first step or where
+        the count changes), so the sync is handed gradients of the step's mean loss.
+        """
+        total = int(pending.wait()[0])
+        if total != guess and len(self.losses) - self.step_first > 1:
+            grads = [p.grad for p in self.model.module.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, guess / total)
+        return total
+
     async def _forward_backward(
         self, stream: AsyncIterator[Any], sync: GradientSync
     ) -> tuple[int, int, PendingSum | None]:
         """Up to k batches: the step's guess of its global count, its local count, the sum in flight."""
         # Backprop loss / expected, expected being a guess of the step's global example
-        # count that every rank makes alike (also a rank with no batch left): reduce()
-        # corrects by expected / actual, exactly 1 (no pass) when the guess holds.
+        # count that every rank makes alike (also a rank with no batch left): the previous
+        # step's, 1 at a pass's first step.  reduce() corrects by expected / actual, exactly
+        # 1 (no pass) when the guess holds; a sync that is not linear gets the actual count
+        # before the last backward instead (_exact_divisor).
         expected = self.previous_global_count or 1
         self.step_first = len(self.losses)
         group_count = 0
@@ -393,6 +413,8 @@ class _TrainingPass:
                 # Every rank starts the count (with its requests) before any gradient
                 # bucket, so the collectives pair up in the same order on all ranks.
                 pending = self._begin_step_sum(group_count)
+                if self.exact_units:
+                    expected = self._exact_divisor(pending, guess=expected)
                 sync.last_backward()
             if self.loss_scale is not None:
                 seed = self.loss_scale.scale / expected

@@ -27,6 +27,8 @@ class AllReduceSync:
     (``launch``), such as :class:`~lamploop.sync.reduce_to_root.ReduceToRootSync`.
     """
 
+    reduces_linearly = True  # a sum, scaled after: the loop may guess the step's count
+
     def __init__(
         self,
         collectives: Collectives,

@@ -72,6 +72,8 @@ class TensorChannel(Protocol):
 class _LocalGradients:
     """One rank: gradients are complete after backward; only the scale is applied."""
 
+    reduces_linearly = True
+
     def __init__(self, parameters: Sequence[torch.nn.Parameter]) -> None:
         self._parameters = [p for p in parameters if p.requires_grad]
 

@@ -265,7 +265,11 @@ class Pending:
         self._collectives = collectives
         self._work = work
         self._values = values
+        self._sums: list[float] | None = None
 
     def wait(self) -> list[float]:
-        self._collectives.wait(self._work, "sum of losses and example counts")
-        return [float(v) for v in self._values.tolist()]
+        """The sums (waited for once; later calls return them again)."""
+        if self._sums is None:
+            self._collectives.wait(self._work, "sum of losses and example counts")
+            self._sums = [float(v) for v in self._values.tolist()]
+        return self._sums

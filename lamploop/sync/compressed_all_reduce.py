@@ -60,6 +60,9 @@ class CompressedAllReduceSync:
         self._collectives = collectives
         self._wire = _DTYPES[wire]
         self._scaled = wire == "fp16"
+        # bf16 has float32's range: a guessed scale corrected after the sum is harmless.
+        # fp16's range and its scale factor need gradients in the step's units.
+        self.reduces_linearly = not self._scaled
         self._growth_interval = growth_interval
         self.scale = INITIAL_FP16_SCALE if self._scaled else 1.0
         self.good_steps = 0

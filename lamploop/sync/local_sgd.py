@@ -235,8 +235,9 @@ def _default_name(self: LocalSGD) -> str:
 class LocalSGD:
     """Local SGD with periodic, example-weighted parameter averaging (optionally DiLoCo's outer step).
 
-    Registered: ``local_sgd1``, ``local_sgd8`` (plain averaging), ``diloco8`` (outer
-    Nesterov, ``lr=0.7, momentum=0.9``).  Register others by instance.
+    Registered: ``local_sgd8`` (plain averaging) and ``diloco8`` (outer Nesterov,
+    ``lr=0.7, momentum=0.9``).  Register others by instance (``LocalSGD(every_n_steps=1)``
+    is ``local_sgd1``, which with plain SGD steps like ``all_reduce``).
 
     Attributes:
         every_n_steps: ``H``, optimizer steps between averages.

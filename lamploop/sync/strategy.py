@@ -10,7 +10,7 @@ every rank alike::
             if it is the last: sync.last_backward()
             backward of (loss_sum / expected)
         sync.step_examples(...)       # only a sync that has it (CountsStepExamples)
-        sync.reduce(expected / global example count)
+        sync.reduce(expected / global example count)   # 1.0 unless the sync reduces linearly
         optimizer step                # every rank, or only the root (steps_on_every_rank)
         sync.after_step()
     sync.end_pass()
@@ -19,6 +19,18 @@ A :class:`SyncStrategy` makes such objects from the :class:`~lamploop.sync.colle
 of a process group.  Strategies are registered by name (:func:`register_strategy`), so
 that a new one is one new module: ``all_reduce`` and ``reduce_to_root`` are registered by
 :mod:`lamploop.sync` itself, and the name travels in :class:`~lamploop.settings.TrainingSettings`.
+
+The units of the gradients a sync is given: the step's global example count is known
+only once every rank has counted its batches, which the loop starts before the step's
+last backward.  A sync that says it *reduces linearly* (``reduces_linearly = True``:
+``reduce`` of ``c`` times the gradients is ``c`` times ``reduce`` of them, and nothing is
+kept from them) lets the loop backpropagate with a guess of that count (the previous
+step's, ``1`` at a pass's first step) and correct it with ``reduce(scale)``, so the count
+overlaps the last backward.  Every other sync (the default) is given exact units: the loop
+waits for the count before the last backward, so that ``.grad`` holds this rank's share of
+the gradient of the step's mean loss when communication starts, and ``scale`` is exactly
+``1.0``.  Error feedback, a loss-scale factor or any other state derived from gradients is
+then in the units of the mean loss at every step, the first of a pass included.
 
 .. versionadded:: 0.2
 """
@@ -42,6 +54,7 @@ __all__ = [
     "check_strategy_name",
     "keeps_state",
     "optimizer_state_per_rank",
+    "reduces_linearly",
     "register_strategy",
     "strategy_named",
     "strategy_names",
@@ -58,6 +71,9 @@ class GradientSync(Protocol):
     The gradient contract: before :meth:`reduce` each rank's ``.grad`` holds the sum of its
     batches' gradients of ``loss_sum / expected``; after ``reduce(scale)`` every rank that
     steps holds the sum over ranks times ``scale`` (the gradient of the step's mean loss).
+    ``expected`` is the step's global example count, so ``scale`` is exactly ``1.0``, unless
+    the sync has ``reduces_linearly = True`` (see :func:`reduces_linearly` and the module doc):
+    only such a sync is given a guessed ``expected`` and a ``scale`` that corrects it.
     """
 
     def begin_pass(self) -> None:
@@ -165,6 +181,22 @@ def keeps_state(strategy: SyncStrategy) -> bool:
     and give it back on resume.
     """
     return getattr(strategy, "keeps_state", False) is True
+
+
+def reduces_linearly(sync: GradientSync) -> bool:
+    """Whether the loop may hand ``sync`` gradients of a guessed scale and correct them in ``reduce``.
+
+    A sync says so with an optional ``reduces_linearly = True`` attribute: ``reduce`` of ``c``
+    times the gradients equals ``c`` times ``reduce`` of them, and nothing derived from them
+    outlives the call (plain sums: ``all_reduce``, ``reduce_to_root``, ``all_reduce_bf16``).
+    The loop then backpropagates with a guess of the step's global example count and
+    overlaps counting with the last backward.  Without it (the safe default: PowerSGD's
+    error feedback, fp16's range and scale, local SGD) the loop waits for the count before
+    the last backward, and ``reduce`` always gets ``scale == 1.0``.
+
+    .. versionadded:: 0.3
+    """
+    return getattr(sync, "reduces_linearly", False) is True
 
 
 def optimizer_state_per_rank(strategy: SyncStrategy) -> bool:

@@ -1,4 +1,4 @@
-"""Every chore has a session: ``nox -s tests``, ``lint``, ``bench``, ``docs``, ``multinode``.
+"""Every chore has a session: ``nox -s tests``, ``lint``, ``docs-build``, ``bench``, ``docs``, ``multinode``.
 
 torch is installed first and pinned to the CPU build that the CI machine has
 cached; the package metadata itself only asks for ``torch>=2.2``, so on GPU
@@ -12,7 +12,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "docs-build"]
 
 TORCH = os.environ.get("LAMPLOOP_TORCH", "torch==2.13.0")
 
@@ -38,11 +38,19 @@ def multinode(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) and mypy --strict on the package."""
+    """ruff (lint and format check), mypy --strict and the import layers (import-linter) on the package."""
     install(session, "test,lint")
     session.run("ruff", "check", "lamploop", "tests", "benchmarks", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "lamploop")
     session.run("mypy")
+    session.run("lint-imports")
+
+
+@nox.session(name="docs-build")
+def docs_build(session: nox.Session) -> None:
+    """Build the site with warnings as errors (CI; ``docs`` also runs every example)."""
+    install(session, "docs")
+    session.run("mkdocs", "build", "--strict", "-d", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

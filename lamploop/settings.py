@@ -18,20 +18,32 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from collections.abc import Container, Mapping
+from typing import Any, ClassVar
 
 import attrs
 
+from lamploop.averaging import EMA, SWA, Averaging
+from lamploop.checks import (
+    check_int,
+    check_positive,
+    check_seconds,
+    check_smoothing,
+    int_at_least,
+    optional_int_at_least,
+    optional_seconds,
+    seconds,
+)
 from lamploop.errors import ConfigurationError
+from lamploop.loop.non_finite import NonFiniteLossPolicy, check_policy
+from lamploop.loop.precision import Precision, check_precision
+from lamploop.loop.selection import ModelSelection
 from lamploop.schedules import LearningRateSchedule, Noop, noop
-
-if TYPE_CHECKING:
-    from lamploop.averaging import Averaging
-    from lamploop.loop.non_finite import NonFiniteLossPolicy
-    from lamploop.loop.precision import Precision
-    from lamploop.step_schedules import StepSchedule
-    from lamploop.torch_schedulers import LrSchedulerFactory
+from lamploop.step_schedules import StepSchedule
+from lamploop.sync.buckets import DEFAULT_BUCKET_CAP_MB
+from lamploop.sync.collectives import DEFAULT_COLLECTIVE_TIMEOUT_S
+from lamploop.sync.strategy import check_strategy_name
+from lamploop.torch_schedulers import LrSchedulerFactory, check_interval
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -43,75 +55,12 @@ __all__ = [
     "check_smoothing",
 ]
 
-DEFAULT_BUCKET_CAP_MB: Final = 25.0
-"""Gradient bucket size, as DistributedDataParallel's default."""
-
-DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 1800.0
-"""The backstop for a collective whose peers are all alive (heartbeats flow) but never arrive,
-such as ranks that disagree on what to run.  A dead, frozen or cut-off rank is found by the
-control channel's heartbeats within seconds, long before this; a slow step (a minute and
-more) must not trip it, hence its length."""
-
-
-def check_int(name: str, value: object, low: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= low``, else ConfigurationError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        msg = f"{name} must be an int >= {low}, got {value!r}"
-        raise ConfigurationError(msg)
-    return value
-
-
-def int_at_least(owner: str, low: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
-    """An attrs validator: :func:`check_int` of the field, named ``<owner>: <field>``."""
-
-    def validate(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        check_int(f"{owner}: {attribute.name}", value, low)
-
-    return validate
-
-
-def check_seconds(name: str, value: object) -> float:
-    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        msg = f"{name} must be a positive number of seconds, got {value!r}"
-        raise ConfigurationError(msg)
-    return float(value)
-
-
-def check_positive(name: str, value: object) -> float:
-    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        msg = f"{name} must be a positive finite number, got {value!r}"
-        raise ConfigurationError(msg)
-    return float(value)
-
-
-def check_smoothing(value: object) -> float:
-    """The exponential smoothing factor of the validation loss, in ``(0, 1]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        msg = f"validation_loss_exponential_smoothing_factor must be in (0, 1], got {value!r}"
-        raise ConfigurationError(msg)
-    return float(value)
-
-
-def _int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        check_int(attribute.name, value, low)
-
-    return check
-
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    check_seconds(attribute.name, value)
-
 
 def _smoothing(_: object, __: attrs.Attribute[float], value: float) -> None:
     check_smoothing(value)
 
 
 def _strategy(_: object, __: attrs.Attribute[str], value: str) -> None:
-    from lamploop.sync.strategy import check_strategy_name  # sync imports settings' constants
-
     check_strategy_name(value)
 
 
@@ -119,19 +68,6 @@ def _positive_megabytes(_: object, attribute: attrs.Attribute[float], value: flo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         msg = f"{attribute.name} must be a positive number of MiB, got {value!r}"
         raise ConfigurationError(msg)
-
-
-def _optional_int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-        if value is not None:
-            check_int(attribute.name, value, low)
-
-    return check
-
-
-def _optional_seconds(_: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
-    if value is not None:
-        check_seconds(attribute.name, value)
 
 
 def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
@@ -146,8 +82,6 @@ def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _non_finite_policy(_: object, __: attrs.Attribute[str], value: str) -> None:
-    from lamploop.loop.non_finite import check_policy  # loop imports settings' constants
-
     check_policy(value)
 
 
@@ -157,8 +91,6 @@ def _optional_positive(_: object, attribute: attrs.Attribute[float | None], valu
 
 
 def _precision(_: object, __: attrs.Attribute[str], value: str) -> None:
-    from lamploop.loop.precision import check_precision  # loop imports settings' constants
-
     check_precision(value)
 
 
@@ -172,8 +104,6 @@ def _step_schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _averaging(_: object, __: attrs.Attribute[Any], value: Any) -> None:
-    from lamploop.averaging import EMA, SWA  # averaging imports model, model imports errors only
-
     if value is not None and not isinstance(value, (EMA, SWA)):
         msg = f"averaging must be lamploop.averaging.ema(...) or swa(...), got {type(value).__name__}"
         raise ConfigurationError(msg)
@@ -189,8 +119,6 @@ def _lr_scheduler(_: object, __: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _interval(_: object, __: attrs.Attribute[str], value: str) -> None:
-    from lamploop.torch_schedulers import check_interval  # it imports errors only
-
     check_interval(value)
 
 
@@ -238,17 +166,17 @@ class TrainingSettings:
         ConfigurationError: a value is out of range; the message names the argument.
     """
 
-    max_epochs: int = attrs.field(default=0, validator=_int_at_least(0))
-    validation_frequency: int = attrs.field(default=1, validator=_int_at_least(1))
+    max_epochs: int = attrs.field(default=0, validator=int_at_least(None, 0))
+    validation_frequency: int = attrs.field(default=1, validator=int_at_least(None, 1))
     return_min_validation_loss_model: Container[int] = attrs.field(default=(), validator=_container)
     learning_rate_schedule: LearningRateSchedule[Any] = attrs.field(factory=noop, validator=_schedule)
     validation_loss_exponential_smoothing_factor: float = attrs.field(default=1.0, validator=_smoothing)
-    accumulate_gradient_over_n_batches: int = attrs.field(default=1, validator=_int_at_least(1))
+    accumulate_gradient_over_n_batches: int = attrs.field(default=1, validator=int_at_least(None, 1))
     strategy: str = attrs.field(default="auto", validator=_strategy)
     bucket_cap_mb: float = attrs.field(default=DEFAULT_BUCKET_CAP_MB, validator=_positive_megabytes)
-    collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, validator=_seconds)
-    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
-    checkpoint_every_seconds: float | None = attrs.field(default=None, validator=_optional_seconds)
+    collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT_S, validator=seconds)
+    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    checkpoint_every_seconds: float | None = attrs.field(default=None, validator=optional_seconds)
     on_non_finite_loss: NonFiniteLossPolicy = attrs.field(default="raise", validator=_non_finite_policy)
     max_gradient_norm: float | None = attrs.field(default=None, validator=_optional_positive)
     precision: Precision = attrs.field(default="32", validator=_precision)
@@ -258,11 +186,9 @@ class TrainingSettings:
     lr_scheduler_interval: str = attrs.field(default="epoch", validator=_interval)
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
-    early_stopping_patience: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    early_stopping_patience: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
-        from lamploop.loop.selection import ModelSelection  # loop imports settings' constants
-
         ModelSelection(self.model_selection_metric, self.model_selection_mode)  # type: ignore[arg-type]
         if self.lr_scheduler is not None and (
             self.step_schedule is not None or not isinstance(self.learning_rate_schedule, Noop)

@@ -21,8 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError
-from lamploop.settings import check_int
 
 __all__ = [
     "StepSchedule",

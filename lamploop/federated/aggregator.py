@@ -59,7 +59,7 @@ from lamploop.federated.wire import (
     in_order,
 )
 from lamploop.modelspec import describe_mismatch, model_spec
-from lamploop.settings import check_int, check_seconds
+from lamploop.checks import check_int, check_seconds
 from lamploop.streaming.wire import check_token
 
 __all__ = ["AggregatorSettings", "run_aggregator"]

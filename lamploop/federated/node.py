@@ -67,7 +67,7 @@ from lamploop.federated.wire import (
 from lamploop.loop import one_epoch
 from lamploop.metrics import metrics_of
 from lamploop.modelspec import describe_mismatch, model_spec
-from lamploop.settings import check_int, check_seconds
+from lamploop.checks import check_int, check_seconds
 from lamploop.streaming.wire import check_token
 
 __all__ = ["NodeSettings", "NodeSummary", "run_node"]

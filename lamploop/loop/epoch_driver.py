@@ -30,7 +30,7 @@ from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhaus
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.settings import check_int, check_smoothing
+from lamploop.checks import check_int, check_smoothing
 from lamploop.state import LearningCurveEntry, LoopState
 
 __all__ = ["ALL_EPOCHS", "AllEpochs", "epochs"]

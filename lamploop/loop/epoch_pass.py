@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from lamploop.batches import BatchStream, source_ended
+from lamploop.checks import check_positive
 from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.batch_checks import check_finite, check_stream, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
@@ -34,7 +35,6 @@ from lamploop.loop.pass_totals import Yielder, epoch_totals
 from lamploop.loop.precision import LossScale, Precision, check_precision, unscale_and_check
 from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
-from lamploop.settings import check_positive
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 from lamploop.sync.strategy import CountsStepExamples, GradientSync, reduces_linearly
 

@@ -25,9 +25,9 @@ import torch
 
 from lamploop.checkpoint import Checkpoint, checkpoint_name, load_checkpoint, save_checkpoint
 from lamploop.checkpoint.format import DESCRIPTOR_NAME
+from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError
 from lamploop.schedules import LearningRateSchedule
-from lamploop.settings import check_int
 from lamploop.state import LoopStateWithModelAndOptimizerData
 
 __all__ = ["load_stage_checkpoint", "saved_epochs", "stage_checkpoint_dir", "stage_checkpointer"]

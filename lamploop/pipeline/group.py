@@ -20,8 +20,8 @@ from typing import Final
 import attrs
 import torch.distributed as dist
 
+from lamploop.checks import check_int, check_seconds
 from lamploop.errors import ConfigurationError, DistributedError
-from lamploop.settings import check_int, check_seconds
 
 __all__ = ["DEFAULT_PIPELINE_TIMEOUT_S", "PipelineGroup", "open_pipeline_group"]
 

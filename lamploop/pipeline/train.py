@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint.restore import restore_optimizer_state
+from lamploop.checks import check_int
 from lamploop.distributed.replica import learning_rates, set_learning_rate_factor
 from lamploop.distributed.root_setup import OptimizerFactory
 from lamploop.errors import BatchError, CheckpointError, ConfigurationError, NonFiniteLossError
@@ -36,7 +37,6 @@ from lamploop.pipeline.spec import SCHEDULES, PipelineSpec
 from lamploop.pipeline.split import split_sequential
 from lamploop.pipeline.stage import StageRunner, all_reduce
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.settings import check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 
 __all__ = ["train_pipeline"]

@@ -29,7 +29,7 @@ import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.errors import ConfigurationError
-from lamploop.settings import check_int
+from lamploop.checks import check_int
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
 

@@ -16,7 +16,10 @@ import torch
 
 from lamploop.sync.collectives import Collectives, Work
 
-__all__ = ["BucketedReduction", "FlatBuckets", "bucket_layout"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "BucketedReduction", "FlatBuckets", "bucket_layout"]
+
+DEFAULT_BUCKET_CAP_MB: Final = 25.0
+"""Gradient bucket size, as DistributedDataParallel's default."""
 
 FIRST_BUCKET_CAP_MB: Final = 1.0
 """A small first bucket starts communication early, as DistributedDataParallel does."""

@@ -26,7 +26,21 @@ import torch.distributed as dist
 from lamploop.errors import DistributedError
 from lamploop.sync.abandon import abandon
 
-__all__ = ["POLL_S", "AbortSignal", "Collectives", "Group", "WaitAborted", "Work"]
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "POLL_S",
+    "AbortSignal",
+    "Collectives",
+    "Group",
+    "WaitAborted",
+    "Work",
+]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 1800.0
+"""The backstop for a collective whose peers are all alive (heartbeats flow) but never arrive,
+such as ranks that disagree on what to run.  A dead, frozen or cut-off rank is found by the
+control channel's heartbeats within seconds, long before this; a slow step (a minute and
+more) must not trip it, hence its length."""
 
 Group: TypeAlias = Any
 """A process-group backend object (``ProcessGroupGloo`` or ``ProcessGroupNCCL``): their

@@ -24,8 +24,8 @@ from typing import Final, Literal
 import attrs
 import torch
 
+from lamploop.checks import int_at_least
 from lamploop.errors import ConfigurationError
-from lamploop.settings import int_at_least
 from lamploop.sync.buckets import BucketedReduction
 from lamploop.sync.collectives import Collectives, Work
 from lamploop.sync.strategy import GradientSync

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S
+from lamploop.sync.buckets import DEFAULT_BUCKET_CAP_MB
 from lamploop.sync.buffers import average_buffers
-from lamploop.sync.collectives import Collectives, Group, Pending
+from lamploop.sync.collectives import DEFAULT_COLLECTIVE_TIMEOUT_S, Collectives, Group, Pending
 from lamploop.sync.strategy import GradientSync, SyncStrategy, strategy_named
 
 __all__ = ["ProcessGroupChannel"]

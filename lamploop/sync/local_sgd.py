@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
+from lamploop.checks import int_at_least
 from lamploop.errors import ConfigurationError, DistributedError
-from lamploop.settings import int_at_least
 from lamploop.sync.buckets import FlatBuckets, bucket_layout
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import GradientSync, check_saved_state

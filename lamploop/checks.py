@@ -1,0 +1,101 @@
+"""Checks of single values, at the bottom of the package: they depend on :mod:`lamploop.errors` only.
+
+Every module that checks an argument imports its check from here, so that the checks of a
+setting and the messages they give are written once; :mod:`lamploop.settings`, which
+describes a whole run, sits above the loop and the strategies and imports them freely.
+
+>>> from lamploop.checks import check_int
+>>> check_int("max_epochs", 3, 0)
+3
+>>> check_int("max_epochs", -1, 0)
+Traceback (most recent call last):
+...
+lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from lamploop.errors import ConfigurationError
+
+__all__ = [
+    "check_int",
+    "check_positive",
+    "check_seconds",
+    "check_smoothing",
+    "int_at_least",
+    "optional_int_at_least",
+    "optional_seconds",
+    "seconds",
+]
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    """``value`` if it is an int (not a bool) ``>= low``, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        msg = f"{name} must be an int >= {low}, got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"{name} must be a positive number of seconds, got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` if it is a positive finite number, else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"{name} must be a positive finite number, got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def check_smoothing(value: object) -> float:
+    """The exponential smoothing factor of the validation loss, in ``(0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        msg = f"validation_loss_exponential_smoothing_factor must be in (0, 1], got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
+"""An attrs validator."""
+
+
+def int_at_least(owner: str | None, low: int) -> Validator:
+    """An attrs validator: :func:`check_int` of the field, named ``<owner>: <field>`` (or the field alone)."""
+
+    def validate(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        check_int(attribute.name if owner is None else f"{owner}: {attribute.name}", value, low)
+
+    return validate
+
+
+def optional_int_at_least(low: int) -> Validator:
+    """An attrs validator: ``None``, or :func:`check_int` of the field."""
+
+    def validate(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None:
+            check_int(attribute.name, value, low)
+
+    return validate
+
+
+def seconds(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: :func:`check_seconds` of the field."""
+    check_seconds(attribute.name, value)
+
+
+def optional_seconds(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: ``None``, or :func:`check_seconds` of the field."""
+    if value is not None:
+        check_seconds(attribute.name, value)

@@ -39,6 +39,7 @@ import torch
 from anyio.abc import SocketAttribute
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lamploop.checks import check_int, check_seconds
 from lamploop.control._connection import remote
 from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._tls import check_context, wrap
@@ -59,7 +60,6 @@ from lamploop.federated.wire import (
     in_order,
 )
 from lamploop.modelspec import describe_mismatch, model_spec
-from lamploop.checks import check_int, check_seconds
 from lamploop.streaming.wire import check_token
 
 __all__ = ["AggregatorSettings", "run_aggregator"]

@@ -38,6 +38,7 @@ import torch
 import torch._dynamo
 
 from lamploop.batches import Batch, BatchContext, BatchStream, BatchStreamFactory, epoch_seed
+from lamploop.checks import check_int, check_seconds
 from lamploop.control._connection import explain
 from lamploop.control._tls import check_context, wrap
 from lamploop.errors import (
@@ -67,7 +68,6 @@ from lamploop.federated.wire import (
 from lamploop.loop import one_epoch
 from lamploop.metrics import metrics_of
 from lamploop.modelspec import describe_mismatch, model_spec
-from lamploop.checks import check_int, check_seconds
 from lamploop.streaming.wire import check_token
 
 __all__ = ["NodeSettings", "NodeSummary", "run_node"]

@@ -26,11 +26,11 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
+from lamploop.checks import check_int, check_smoothing
 from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.checks import check_int, check_smoothing
 from lamploop.state import LearningCurveEntry, LoopState
 
 __all__ = ["ALL_EPOCHS", "AllEpochs", "epochs"]

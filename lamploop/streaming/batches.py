@@ -28,8 +28,8 @@ import anyio.lowlevel
 import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
-from lamploop.errors import ConfigurationError
 from lamploop.checks import check_int
+from lamploop.errors import ConfigurationError
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
 

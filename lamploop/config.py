@@ -91,14 +91,14 @@ def save_config(config: attrs.AttrsInstance, directory: str | os.PathLike[str]) 
     if not attrs.has(type(config)):
         msg = f"save_config: expected an attrs class instance, got a {type(config).__qualname__}"
         raise ConfigurationError(msg)
-    from lamploop.checkpoint.format import _lamploop_version
+    from lamploop.checkpoint.format import lamploop_version
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     document = {
         "kind": _kind_of(type(config)),
         "version": _version_of(type(config)),
-        "lamploop_version": _lamploop_version(),
+        "lamploop_version": lamploop_version(),
         "config": _CONVERTER.unstructure(config),
     }
     path = root / CONFIG_NAME
@@ -151,10 +151,11 @@ def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
 # Resuming
 
 
-def _has_checkpoints(directory: Path) -> bool:
-    from lamploop.checkpoint.files import _checkpoint_dirs
+def has_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint directory (complete or not)."""
+    from lamploop.checkpoint.files import checkpoint_directories
 
-    return directory.is_dir() and bool(_checkpoint_dirs(directory))
+    return directory.is_dir() and bool(checkpoint_directories(directory))
 
 
 def resolve_config(
@@ -201,7 +202,7 @@ def resolve_config(
             )
             raise ConfigurationError(msg)
         return cls(**given)
-    if not resume and not _has_checkpoints(root):
+    if not resume and not has_checkpoints(root):
         return cls(**given)  # a config whose run never checkpointed: nothing trained to agree with
     saved = load_config(root, cls)
     problems = []

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lamploop.batches import tensor_batches
-from lamploop.config import CONFIG_NAME, DemoConfig, _has_checkpoints, resolve_config, save_config
+from lamploop.config import CONFIG_NAME, DemoConfig, has_checkpoints, resolve_config, save_config
 from lamploop.errors import ConfigurationError
 from lamploop.fit import fit
 from lamploop.model import SupervisedModel
@@ -130,7 +130,7 @@ def train_demo(config: DemoConfig, out: Path) -> float | None:
     the config is saved only once the run resumed from them, never when they do not fit it.
     """
     pending = _is_root()
-    if pending and ((out / CONFIG_NAME).exists() or not _has_checkpoints(out)):
+    if pending and ((out / CONFIG_NAME).exists() or not has_checkpoints(out)):
         save_config(config, out)
         pending = False
 

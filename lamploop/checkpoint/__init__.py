@@ -47,8 +47,10 @@ The package's modules: :mod:`~lamploop.checkpoint.format` (names and the descrip
 :mod:`~lamploop.checkpoint.rng`, :mod:`~lamploop.checkpoint.codec` (nested state as JSON
 plus tensors), :mod:`~lamploop.checkpoint.files` (atomic writes, save order, pruning),
 :mod:`~lamploop.checkpoint.extras` (named state beside the model),
-:mod:`~lamploop.checkpoint.save`, :mod:`~lamploop.checkpoint.load` and
-:mod:`~lamploop.checkpoint.checkpointer`.
+:mod:`~lamploop.checkpoint.save`, :mod:`~lamploop.checkpoint.load`,
+:mod:`~lamploop.checkpoint.integrity` (one file against its record),
+:mod:`~lamploop.checkpoint.verify` (every problem found at once: :func:`verify_checkpoint`,
+which ``lamploop inspect`` prints) and :mod:`~lamploop.checkpoint.checkpointer`.
 """
 
 from lamploop.checkpoint.checkpointer import Checkpointer
@@ -68,6 +70,7 @@ from lamploop.checkpoint.load import Checkpoint, latest_checkpoint, load_checkpo
 from lamploop.checkpoint.restore import restore_optimizer_state
 from lamploop.checkpoint.rng import RngStates
 from lamploop.checkpoint.save import save_checkpoint
+from lamploop.checkpoint.verify import CheckpointReport, verify_checkpoint
 
 __all__ = [
     "BEST_MODEL_FILE",
@@ -78,6 +81,7 @@ __all__ = [
     "OPTIMIZER_FILE",
     "RNG_FILE",
     "Checkpoint",
+    "CheckpointReport",
     "CheckpointExtra",
     "Checkpointer",
     "RngStates",
@@ -88,4 +92,5 @@ __all__ = [
     "rank_rng_file",
     "restore_optimizer_state",
     "save_checkpoint",
+    "verify_checkpoint",
 ]

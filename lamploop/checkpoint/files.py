@@ -152,11 +152,34 @@ def _remove_stale_temporaries(root: pathlib.Path) -> None:
                 _log.warning("could not remove the leftover %s of a crashed save", entry, exc_info=True)
 
 
-def _checkpoint_dirs(root: pathlib.Path) -> list[pathlib.Path]:
+def checkpoint_directories(root: pathlib.Path) -> list[pathlib.Path]:
+    """The directories under ``root`` named like checkpoints (``epoch-000006``, ``epoch-000006-step-...``)."""
     return [p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
 
 
-def _saved_at(directory: pathlib.Path) -> tuple[int, int, str]:
+def read_latest(root: pathlib.Path) -> tuple[str | None, str | None]:
+    """The checkpoint name ``<root>/latest`` holds, and what is wrong with the pointer.
+
+    ``(name, None)``: a checkpoint directory name (whether it exists is not checked);
+    ``(None, None)``: there is no pointer; ``(None, problem)``: it cannot be read, or holds
+    something that is not a checkpoint directory name.
+    """
+    pointer = root / LATEST_NAME
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer}: cannot read the latest-checkpoint pointer: {e}"
+    if not _CHECKPOINT_NAME.fullmatch(name):
+        return (
+            None,
+            f"{pointer}: holds {name!r}, which is not a checkpoint directory name like 'epoch-000006'",
+        )
+    return name, None
+
+
+def saved_at(directory: pathlib.Path) -> tuple[int, int, str]:
     """The order checkpoints were saved in: the descriptor's save sequence, then its clock, then the name.
 
     The sequence (format 2) counts saves into the root, so a clock that jumps back cannot
@@ -172,7 +195,7 @@ def _saved_at(directory: pathlib.Path) -> tuple[int, int, str]:
 
 
 def _next_sequence(root: pathlib.Path) -> int:
-    return 1 + max((_saved_at(p)[0] for p in _checkpoint_dirs(root)), default=0)
+    return 1 + max((saved_at(p)[0] for p in checkpoint_directories(root)), default=0)
 
 
 def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
@@ -218,8 +241,8 @@ def _delete(path: pathlib.Path, what: str) -> None:
 
 def _prune(root: pathlib.Path, keep_last: int, just_written: pathlib.Path) -> None:
     """Delete all but the ``keep_last`` most recently saved checkpoints, never ``just_written``."""
-    others = [p for p in _checkpoint_dirs(root) if p.name != just_written.name]
-    others.sort(key=_saved_at, reverse=True)
+    others = [p for p in checkpoint_directories(root) if p.name != just_written.name]
+    others.sort(key=saved_at, reverse=True)
     for directory in others[keep_last - 1 :]:
         # Renamed away first, so that a half-deleted directory never looks like a checkpoint.
         trash = root / _temp_name(f"trash-{directory.name}")
@@ -231,7 +254,7 @@ def _prune(root: pathlib.Path, keep_last: int, just_written: pathlib.Path) -> No
         _delete(trash, "the pruned checkpoint")
 
 
-def _newest_complete(root: pathlib.Path, *, but: pathlib.Path | None = None) -> pathlib.Path | None:
+def newest_complete(root: pathlib.Path, *, but: pathlib.Path | None = None) -> pathlib.Path | None:
     """The most recently saved checkpoint directory with a descriptor (other than ``but``)."""
-    complete = [p for p in _checkpoint_dirs(root) if (p / DESCRIPTOR_NAME).is_file() and p != but]
-    return max(complete, key=_saved_at, default=None)
+    complete = [p for p in checkpoint_directories(root) if (p / DESCRIPTOR_NAME).is_file() and p != but]
+    return max(complete, key=saved_at, default=None)

@@ -105,7 +105,8 @@ def _type_name(t: Any) -> str:
     return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
 
 
-def _lamploop_version() -> str:
+def lamploop_version() -> str:
+    """The installed lamploop's version, as written into descriptors and run configurations."""
     try:
         return importlib.metadata.version("lamploop")
     except importlib.metadata.PackageNotFoundError:

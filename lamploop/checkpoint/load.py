@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pathlib
@@ -17,10 +16,15 @@ import torch
 
 from lamploop.checkpoint.codec import decode_tree
 from lamploop.checkpoint.extras import ExtraState, extra_file
-from lamploop.checkpoint.files import _checkpoint_dirs, _newest_complete, _saved_at, read_json_object
+from lamploop.checkpoint.files import (
+    checkpoint_directories,
+    newest_complete,
+    read_json_object,
+    read_latest,
+    saved_at,
+)
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
-    _CHUNK,
     AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
@@ -30,10 +34,10 @@ from lamploop.checkpoint.format import (
     OPTIMIZER_FILE,
     RNG_FILE,
     _Descriptor,
-    _FileRecord,
     _type_name,
     rank_rng_file,
 )
+from lamploop.checkpoint.integrity import check_file
 from lamploop.checkpoint.rng import RngStates, _rng_from_disk, _rng_names
 from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
@@ -87,23 +91,15 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
             directory name, or names a directory that does not exist.
     """
     root = pathlib.Path(directory)
+    name, problem = read_latest(root)
+    if problem is not None:
+        raise CheckpointError(problem)
+    if name is None:
+        return newest_complete(root) if root.is_dir() else None
     pointer = root / LATEST_NAME
-    try:
-        text = pointer.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if not root.is_dir():
-            return None
-        return _newest_complete(root)
-    except (OSError, UnicodeDecodeError) as e:
-        msg = f"{pointer}: cannot read the latest-checkpoint pointer: {e}"
-        raise CheckpointError(msg) from e
-    name = text.strip()
-    if not _CHECKPOINT_NAME.fullmatch(name):
-        msg = f"{pointer}: holds {name!r}, which is not a checkpoint directory name like 'epoch-000006'"
-        raise CheckpointError(msg)
     target = root / name
     if not target.is_dir():
-        fallback = _newest_complete(root)
+        fallback = newest_complete(root)
         if fallback is None:
             msg = f"{pointer}: names {name}, but {target} does not exist"
             raise CheckpointError(msg)
@@ -114,7 +110,12 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
     return target
 
 
-def _resolve(path: str | os.PathLike[str]) -> pathlib.Path:
+def resolve_checkpoint(path: str | os.PathLike[str]) -> pathlib.Path:
+    """The checkpoint directory ``path`` names: itself, or in a run directory the latest one.
+
+    Raises:
+        CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
+    """
     p = pathlib.Path(path)
     if not p.exists():
         msg = f"{p}: no such checkpoint directory"
@@ -131,7 +132,12 @@ def _resolve(path: str | os.PathLike[str]) -> pathlib.Path:
     return found
 
 
-def _read_descriptor(path: pathlib.Path) -> _Descriptor:
+def read_descriptor(path: pathlib.Path) -> _Descriptor:
+    """The descriptor (``checkpoint.json``) at ``path``, checked: format version and shape.
+
+    Raises:
+        CheckpointError: missing, unreadable, not JSON, another format, or malformed.
+    """
     raw = read_json_object(path, CheckpointError, missing="missing; this is not a complete checkpoint")
     version = raw.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -151,30 +157,6 @@ def _read_descriptor(path: pathlib.Path) -> _Descriptor:
         raise CheckpointError(msg) from e
 
 
-def _check_file(path: pathlib.Path, record: _FileRecord) -> None:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError as e:
-        msg = f"{path}: missing (listed in {DESCRIPTOR_NAME})"
-        raise CheckpointError(msg) from e
-    if size != record.size:
-        msg = (
-            f"{path}: size mismatch: {DESCRIPTOR_NAME} records {record.size} bytes, the file has {size} "
-            f"({'truncated' if size < record.size else 'longer than written'})"
-        )
-        raise CheckpointError(msg)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    if digest.hexdigest() != record.sha256:
-        msg = (
-            f"{path}: sha256 mismatch: {DESCRIPTOR_NAME} records {record.sha256}, the file has "
-            f"{digest.hexdigest()} (the file is corrupt or was changed after saving)"
-        )
-        raise CheckpointError(msg)
-
-
 def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> dict[str, torch.Tensor]:
     """Check a file's size and sha256 against the descriptor, then parse it."""
     path = directory / file
@@ -182,7 +164,10 @@ def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> d
     if record is None:
         msg = f"{directory / DESCRIPTOR_NAME}: lists no sha256 and size for {file}"
         raise CheckpointError(msg)
-    _check_file(path, record)
+    problem = check_file(directory, file, record).problem
+    if problem is not None:
+        msg = f"{path}: {problem}"
+        raise CheckpointError(msg)
     try:
         return safetensors.torch.load_file(str(path), device="cpu")
     except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -265,7 +250,7 @@ def load_checkpoint(
             descriptor lists, a model that does not fit, or a schedule state
             that does not fit ``schedule``.
     """
-    directory = _resolve(path)
+    directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
         return _load_directory(directory, schedule, model, restore_rng)
     # The root: its latest checkpoint, or else the newest valid one saved before it.
@@ -279,10 +264,8 @@ def load_checkpoint(
             first_error = first_error or e
             tried.add(candidate)
             _log.warning("skipping the checkpoint %s: %s", candidate, e)
-        remaining = [p for p in _checkpoint_dirs(directory.parent) if p not in tried]
-        candidate = max(
-            (p for p in remaining if (p / DESCRIPTOR_NAME).is_file()), key=_saved_at, default=None
-        )
+        remaining = [p for p in checkpoint_directories(directory.parent) if p not in tried]
+        candidate = max((p for p in remaining if (p / DESCRIPTOR_NAME).is_file()), key=saved_at, default=None)
     raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
 
 
@@ -305,7 +288,7 @@ def _load_directory(
 ) -> Checkpoint:
     """Load and validate one checkpoint directory (see :func:`load_checkpoint`)."""
     descriptor_path = directory / DESCRIPTOR_NAME
-    descriptor = _read_descriptor(descriptor_path)
+    descriptor = read_descriptor(descriptor_path)
     if model is not None:
         _check_fits(directory, descriptor, model_spec(model))
     schedule_state = (

@@ -36,10 +36,10 @@ from lamploop.checkpoint.format import (
     OPTIMIZER_FILE,
     RNG_FILE,
     _Descriptor,
-    _lamploop_version,
     _to_json,
     _type_name,
     checkpoint_name,
+    lamploop_version,
     rank_rng_file,
 )
 from lamploop.checkpoint.rng import RngStates, _rng_to_disk, _RngRecord
@@ -227,7 +227,7 @@ class _Contents:
             files[file] = _write_tensors(directory / file, tensors, f"checkpoint extra {name!r}")
         descriptor = _Descriptor(
             format_version=FORMAT_VERSION,
-            lamploop_version=_lamploop_version(),
+            lamploop_version=lamploop_version(),
             saved_at_unix_ns=time.time_ns(),
             loop_state=state.loop_state,
             schedule_state_type=_type_name(type(schedule_state)),

@@ -17,7 +17,7 @@ import cattrs
 import cattrs.errors
 import cattrs.v
 
-__all__ = ["field_errors", "strict_converter", "write_atomically"]
+__all__ = ["field_errors", "fsync_dir", "strict_converter", "write_atomically"]
 
 
 def _kind(value: object) -> str:
@@ -106,7 +106,8 @@ def field_errors(exc: Exception) -> list[str]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory ``path`` durable (nothing to do on Windows)."""
     if os.name == "nt":  # Windows cannot open a directory to fsync it.
         return
     fd = os.open(path, os.O_RDONLY)
@@ -128,4 +129,4 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)

@@ -28,6 +28,7 @@ from lamploop.checkpoint.format import (
     _FileRecord,
 )
 from lamploop.errors import CheckpointError, LamploopError
+from lamploop.strict_json import fsync_dir
 
 _log = logging.getLogger("lamploop.checkpoint")
 
@@ -83,16 +84,6 @@ def _cpu_tensors(tensors: Mapping[Any, Any], what: str) -> dict[str, torch.Tenso
             seen.add(key)
         out[name] = t
     return out
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    if os.name == "nt":  # Windows cannot open a directory to fsync it.
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: str) -> _FileRecord:
@@ -223,7 +214,7 @@ def _write_latest(root: pathlib.Path, name: str) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _delete(path: pathlib.Path, what: str) -> None:

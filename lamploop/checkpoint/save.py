@@ -19,7 +19,6 @@ from lamploop.checkpoint.files import (
     _cpu_tensors,
     _delete,
     _exchange,
-    _fsync_dir,
     _next_sequence,
     _prune,
     _remove_stale_temporaries,
@@ -47,6 +46,7 @@ from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
 from lamploop.state import LoopStateWithModelAndOptimizerData, converter
+from lamploop.strict_json import fsync_dir
 
 # --------------------------------------------------------------------------------------------
 # Saving
@@ -252,7 +252,7 @@ class _Contents:
             f.write(_to_json(raw) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def _put_in_place(
@@ -277,5 +277,5 @@ def _put_in_place(
             raise
     else:
         os.rename(temp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final, replaced

@@ -26,11 +26,28 @@ class LossFunction(Protocol):
     def __call__(self, output: Any, target: torch.Tensor, /) -> tuple[torch.Tensor, int]: ...
 
 
+# Losses of one value per element: output and target must have one shape, or torch
+# broadcasts them (an (N, 1) output against an (N,) target gives an (N, N) loss).
+_ELEMENTWISE: frozenset[Callable[..., torch.Tensor]] = frozenset(
+    {
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.soft_margin_loss,
+    }
+)
+
+
 @attrs.frozen
 class _Summed:
     loss: Callable[..., torch.Tensor]
 
     def __call__(self, output: Any, target: torch.Tensor, /) -> tuple[torch.Tensor, int]:
+        if self.loss in _ELEMENTWISE and isinstance(output, torch.Tensor) and output.shape != target.shape:
+            raise _shapes_differ(self.loss, output, target)
         return self.loss(output, target, reduction="sum"), int(target.shape[0])
 
 
@@ -85,6 +102,9 @@ class SupervisedModel:
         loss_sum, count = self._loss_of(output, target)
         with torch.no_grad():
             values = [metric(output, target) for metric in self.metrics.values()]
+        for name, value in zip(self.metrics, values, strict=True):
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise _not_a_metric_sum(name, value)
         return loss_sum, count, values
 
     def _loss_of(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -105,10 +125,38 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else module
 
 
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _not_a_metric_sum(name: str, value: object) -> ConfigurationError:
+    return ConfigurationError(
+        f"SupervisedModel: the metric {name!r} returned {_described(value)}, not (sum, count); "
+        "return the sum over the batch's examples and their number, as lamploop.metrics.accuracy "
+        "does (a mean cannot be combined over batches and ranks of different sizes)"
+    )
+
+
+def _shapes_differ(
+    loss: Callable[..., torch.Tensor], output: torch.Tensor, target: torch.Tensor
+) -> ConfigurationError:
+    name = getattr(loss, "__name__", type(loss).__name__)
+    out, want = tuple(output.shape), tuple(target.shape)
+    hint = ""
+    if out[-1:] == (1,) and out[:-1] == want:
+        hint = f"; squeeze the output (module(x).squeeze(-1)) or give targets of shape {out}"
+    elif want[-1:] == (1,) and want[:-1] == out:
+        hint = f"; give targets of shape {out} (target.squeeze(-1)) or an output of shape {want}"
+    return ConfigurationError(
+        f"SupervisedModel: the loss {name} got an output of shape {out} and a target of shape {want}: "
+        f"torch would broadcast them and train on the wrong loss{hint}"
+    )
+
+
 def _not_a_sum_and_count(loss: object, result: object) -> ConfigurationError:
-    got = type(result).__name__
-    if isinstance(result, torch.Tensor):
-        got = f"a tensor of shape {tuple(result.shape)}"
+    got = _described(result)
     name = getattr(loss, "__name__", type(loss).__name__)
     return ConfigurationError(
         f"SupervisedModel: the loss {name} returned {got}, not (loss sum, example count); "

@@ -110,3 +110,34 @@ def test_a_compiled_module_checkpoints_with_plain_keys(tmp_path: Path) -> None:
     state = _fit(model=lamploop.SupervisedModel(again), max_epochs=2, checkpoint_dir=tmp_path)
     assert state is not None
     assert state.epoch == 2
+
+
+def test_a_metric_that_returns_a_mean() -> None:
+    def mean_accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output.argmax(dim=1) == target).float().mean()
+
+    model = lamploop.SupervisedModel(_module(), metrics={"accuracy": mean_accuracy})  # type: ignore[dict-item]
+    with pytest.raises(ConfigurationError) as info:
+        _fit(model=model)
+    assert str(info.value).startswith(
+        "SupervisedModel: the metric 'accuracy' returned a tensor of shape (), not (sum, count)"
+    )
+    assert "lamploop.metrics.accuracy" in str(info.value)
+
+
+def test_a_regression_output_of_shape_n_1_against_targets_of_shape_n() -> None:
+    torch.manual_seed(2)
+    module = torch.nn.Linear(4, 1)
+    model = lamploop.SupervisedModel(module, loss=lamploop.mse_loss)
+    targets = torch.randn(24)
+    with pytest.raises(ConfigurationError) as info:
+        _fit(model=model, train_batches=lamploop.tensor_batches(X, targets, batch_size=8))
+    message = str(info.value)
+    assert message.startswith(
+        "SupervisedModel: the loss mse_loss got an output of shape (8, 1) and a target of shape (8,)"
+    )
+    assert "module(x).squeeze(-1)" in message
+    # The same model with targets of the output's shape trains.
+    state = _fit(model=model, train_batches=lamploop.tensor_batches(X, targets[:, None], batch_size=8))
+    assert state is not None
+    assert state.epoch == 2

@@ -226,4 +226,4 @@ def test_the_registered_defaults() -> None:
     assert isinstance(local, LocalSGD)
     assert isinstance(diloco, LocalSGD)
     assert (local.every_n_steps, local.outer) == (8, None)
-    assert (diloco.every_n_steps, diloco.outer) == (8, OuterNesterov(lr=0.7, momentum=0.9))
+    assert (diloco.every_n_steps, diloco.outer) == (8, OuterNesterov(lr=0.7, momentum=0.5))

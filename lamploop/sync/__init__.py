@@ -40,7 +40,9 @@ register_strategy(CompressedAllReduce(wire="fp16"))
 register_strategy(PowerSGD(rank=1))
 register_strategy(PowerSGD(rank=4))
 register_strategy(LocalSGD(every_n_steps=8))
-register_strategy(LocalSGD(every_n_steps=8, outer=OuterNesterov()))
+# DiLoCo's published outer momentum (0.9) was tuned for H in the hundreds with AdamW inside;
+# at H=8 with an inner momentum optimizer it overshoots (docs/strategies.md measures it).
+register_strategy(LocalSGD(every_n_steps=8, outer=OuterNesterov(lr=0.7, momentum=0.5)))
 
 __all__ = [
     "AUTO",

@@ -236,8 +236,9 @@ class LocalSGD:
     """Local SGD with periodic, example-weighted parameter averaging (optionally DiLoCo's outer step).
 
     Registered: ``local_sgd8`` (plain averaging) and ``diloco8`` (outer Nesterov,
-    ``lr=0.7, momentum=0.9``).  Register others by instance (``LocalSGD(every_n_steps=1)``
-    is ``local_sgd1``, which with plain SGD steps like ``all_reduce``).
+    ``lr=0.7, momentum=0.5``: the published momentum 0.9, made for windows of hundreds of
+    steps, overshoots at 8).  Register others by instance (with plain SGD,
+    ``LocalSGD(every_n_steps=1)`` steps like ``all_reduce``).
 
     Attributes:
         every_n_steps: ``H``, optimizer steps between averages.

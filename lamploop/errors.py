@@ -24,6 +24,7 @@ __all__ = [
     "NonFiniteLossError",
     "PlanNotApprovedError",
     "PeerLostError",
+    "SampleMismatchError",
     "StreamEnded",
     "StreamExhausted",
     "StreamingError",
@@ -62,6 +63,42 @@ class StreamExhausted(BatchError):
     (such as :func:`lamploop.streaming.buffer_batches`'s); :func:`lamploop.epochs` ends the
     run there, without recording the empty epoch.
     """
+
+
+class SampleMismatchError(BatchError):
+    """Streamed samples that make one batch do not match: a tensor of another shape or dtype, or
+    other tensor names, so they cannot be stacked (the message names the sample and the field).
+
+    Attributes:
+        producer: the producer of the sample that differs from the batch's first one.
+        seq: that sample's sequence number.
+        field: the name of the tensor that differs (the first one, by name).
+        shape: its shape in that sample (``None`` if it lacks the tensor).
+        expected_shape: its shape in the batch's first sample (``None`` if that one lacks it).
+        epoch: the epoch of the batch (``None`` if unknown).
+        batch: the 0-based index of the batch in that epoch on this rank (``None`` if unknown).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        producer: str,
+        seq: int,
+        field: str,
+        shape: tuple[int, ...] | None,
+        expected_shape: tuple[int, ...] | None,
+        epoch: int | None = None,
+        batch: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.producer = producer
+        self.seq = seq
+        self.field = field
+        self.shape = shape
+        self.expected_shape = expected_shape
+        self.epoch = epoch
+        self.batch = batch
 
 
 class NonFiniteLossError(LamploopError, FloatingPointError):

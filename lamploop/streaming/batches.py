@@ -29,11 +29,19 @@ import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checks import check_int
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, SampleMismatchError
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
+from lamploop.streaming.tensor_bytes import describe_mismatch, signature_of
 
-__all__ = ["WAIT_SLICE_S", "BufferStream", "buffer_batches", "stack_samples", "stream_ended"]
+__all__ = [
+    "WAIT_SLICE_S",
+    "BufferStream",
+    "buffer_batches",
+    "sample_mismatch",
+    "stack_samples",
+    "stream_ended",
+]
 
 WAIT_SLICE_S = 0.1
 """Longest single wait of a worker thread on the buffer's event loop."""
@@ -42,7 +50,13 @@ Collate = Callable[[Sequence[Sample]], Any]
 
 
 def stack_samples(features: str = "x", target: str = "y") -> Collate:
-    """A collate function: ``(stack of samples' features, stack of their targets)``."""
+    """A collate function: ``(stack of samples' features, stack of their targets)``.
+
+    Raises (from the collate function):
+        SampleMismatchError: a sample's tensor has another shape than the first sample's
+            (it names the sample's producer and seq, the tensor and both shapes).
+        ConfigurationError: a sample has no tensor named ``features`` or ``target``.
+    """
 
     def collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -52,9 +66,49 @@ def stack_samples(features: str = "x", target: str = "y") -> Collate:
             keys = sorted(samples[0].tensors)
             msg = f"stack_samples: a sample has no tensor {missing}; its tensors are {keys}"
             raise ConfigurationError(msg) from None
+        except RuntimeError as exc:  # torch: "stack expects each tensor to be equal size"
+            mismatch = sample_mismatch(samples, (features, target))
+            if mismatch is None:
+                raise
+            raise mismatch from exc
         return x, y
 
     return collate
+
+
+def sample_mismatch(
+    samples: Sequence[Sample], fields: Sequence[str] | None = None
+) -> SampleMismatchError | None:
+    """The error naming the first of ``samples`` whose tensors (of ``fields``, default all)
+    differ in shape, dtype or presence from the first sample's; ``None`` if none does."""
+
+    def signature(sample: Sample) -> Any:
+        found = signature_of(sample.tensors)
+        return found if fields is None else tuple(entry for entry in found if entry[0] in fields)
+
+    expected = signature(samples[0])
+    for sample in samples[1:]:
+        mismatch = describe_mismatch(signature(sample), expected)
+        if mismatch is None:
+            continue
+        field, what = mismatch
+        first = samples[0]
+        msg = (
+            f"sample seq {sample.seq} of producer {sample.producer!r:.100} does not match the batch's "
+            f"first sample (seq {first.seq} of producer {first.producer!r:.100}): {what}"
+        )
+        shape, expected_shape = (
+            tuple(s.tensors[field].shape) if field in s.tensors else None for s in (sample, first)
+        )
+        return SampleMismatchError(
+            msg,
+            producer=sample.producer,
+            seq=sample.seq,
+            field=field,
+            shape=shape,
+            expected_shape=expected_shape,
+        )
+    return None
 
 
 def stream_ended(buffer: StreamBuffer) -> bool:
@@ -133,7 +187,7 @@ def buffer_batches(
     make_batch = collate if collate is not None else stack_samples()
 
     def factory(context: BatchContext) -> BufferStream:
-        return BufferStream(reader, batch_size, batches_per_epoch, make_batch)
+        return BufferStream(reader, batch_size, batches_per_epoch, make_batch, epoch=context.epoch)
 
     return factory
 
@@ -145,8 +199,17 @@ class BufferStream:
     on every rank is the end of the stream (the run ends) rather than a mistake.
     """
 
-    def __init__(self, reader: _BufferReader, batch_size: int, batches: int, collate: Collate) -> None:
+    def __init__(
+        self,
+        reader: _BufferReader,
+        batch_size: int,
+        batches: int,
+        collate: Collate,
+        *,
+        epoch: int | None = None,
+    ) -> None:
         self._reader, self._batch_size, self._batches, self._collate = reader, batch_size, batches, collate
+        self._epoch = epoch
 
     @property
     def source_ended(self) -> bool:
@@ -157,8 +220,26 @@ class BufferStream:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[Any]:
-        for _ in range(self._batches):
+        for index in range(self._batches):
             samples = await self._reader.batch(self._batch_size)
             if samples is None:
                 return
-            yield self._collate(samples)
+            try:
+                batch = self._collate(samples)
+            except SampleMismatchError as exc:
+                raise self._placed(exc, index) from exc
+            yield batch
+
+    def _placed(self, exc: SampleMismatchError, index: int) -> SampleMismatchError:
+        """``exc`` saying which epoch and batch it happened in."""
+        place = f"batch {index}" if self._epoch is None else f"epoch {self._epoch}, batch {index}"
+        return SampleMismatchError(
+            f"{place}: {exc}",
+            producer=exc.producer,
+            seq=exc.seq,
+            field=exc.field,
+            shape=exc.shape,
+            expected_shape=exc.expected_shape,
+            epoch=self._epoch,
+            batch=index,
+        )

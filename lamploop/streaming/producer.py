@@ -46,6 +46,7 @@ import attrs
 import torch
 
 from lamploop.control import _tls as tls
+from lamploop.control._connection import explain
 from lamploop.control._settings import check_int, check_seconds
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
@@ -427,6 +428,10 @@ class AsyncProducer:
             await self._connect_forever()
         except ControlChannelError as exc:
             self._sup.fail(exc)
+        except Exception as exc:  # a bug: reported like a failure, so that no send() waits on a dead task
+            error = StreamingError(f"producer {self.name!r}: its connection task failed: {explain(exc)}")
+            error.__cause__ = exc
+            self._sup.fail(error)
 
     async def _connect_forever(self) -> None:
         failing_since: float | None = None
@@ -732,8 +737,11 @@ class BlockingProducer:
     caller's thread and hands it over without waiting for the loop, up to
     :data:`BLOCKING_AHEAD` samples ahead of it; past that (the window is full) it waits.
     Leaving the block normally calls :meth:`done`; a failure in the background is raised by
-    the next :meth:`send` or :meth:`done`, or on leaving.  One thread at a time may use it;
-    not for use from inside an event loop (use :class:`AsyncProducer` there).
+    the next :meth:`send` or :meth:`done`, or on leaving: a receiver that is gone fails the
+    producer ``reconnect_timeout`` seconds after it was last reached, also while samples handed
+    over wait for room in the window.  A block that ends with an exception leaves without
+    waiting for them (they are dropped, as unacknowledged samples are).  One thread at a time
+    may use it; not for use from inside an event loop (use :class:`AsyncProducer` there).
     """
 
     def __init__(self, address: tuple[str, int], *, name: str, token: bytes | str, **options: Any) -> None:
@@ -786,7 +794,7 @@ class BlockingProducer:
             async with self._producer:
                 task_status.started()
                 await self._leave.wait()
-                if self._abandon:
+                if self._abandon and self._producer._sup.failure is None:  # else leaving raises it
                     raise _Abandoned
         except _Abandoned:
             pass
@@ -794,23 +802,45 @@ class BlockingProducer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._portal_cm is None or self._portal is None or self._hosting is None or self._leave is None:
+        portal, hosting, leave = self._portal, self._hosting, self._leave
+        if self._portal_cm is None or portal is None or hosting is None or leave is None:
             return
         try:
-            self._abandon = exc is not None
+            # Whatever happens here, the hosting task is told to leave before the portal is
+            # joined: the join waits for it (a failure raised by a waiting send once skipped
+            # this, and a simulation whose trainer was gone never exited).
+            abandon = exc is not None
             try:
-                self._settle(0)
-            except ControlChannelError:
+                if not abandon:
+                    self._settle(0)  # raises the producer's failure (within reconnect_timeout)
+            except BaseException:
+                abandon = True
+                raise
+            finally:
+                self._abandon = abandon
+                if abandon:  # samples not kept yet are dropped, not waited for (a full window)
+                    for future in self._handed:
+                        future.cancel()
+                    self._handed.clear()
+                if not hosting.done():
+                    portal.call(leave.set)
+            try:
+                hosting.result()  # raises the producer's failure; done() first when leaving normally
+            except ControlChannelError as failure:
                 if exc is None:
                     raise
-            if not self._hosting.done():
-                self._portal.call(self._leave.set)
-            try:
-                self._hosting.result()  # raises the producer's failure
-            except ControlChannelError:
-                if exc is None:
-                    raise
-                logger.warning("producer %r failed too", self.name, exc_info=True)
+                if failure is not exc:  # not the failure the block's send() raised already
+                    logger.warning("producer %r failed too", self.name, exc_info=True)
+        except ControlChannelError:
+            raise  # the hosting task was told to leave, and leaves at once: the producer failed
+        except BaseException:
+            # Interrupted while waiting (KeyboardInterrupt...): nothing is waited for any more,
+            # so that joining the portal is quick.
+            hosting.cancel()
+            for handed in self._handed:
+                handed.cancel()
+            self._handed.clear()
+            raise
         finally:
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
@@ -823,6 +853,7 @@ class BlockingProducer:
 
     def _settle(self, ahead: int) -> None:
         """Wait until at most ``ahead`` handed samples are not kept yet; raise the first error."""
+        self._producer._sup.raise_failure()  # a failure met meanwhile, at once
         while self._handed and (len(self._handed) > ahead or self._handed[0].done()):
             self._handed.popleft().result()
 

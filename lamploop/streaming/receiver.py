@@ -27,9 +27,13 @@ own.  :attr:`SampleReceiver.directory_assignments` goes into the checkpoint, and
 ``directory_assignments=`` gives it back on resume.
 
 Strangers (bytes before the challenge, garbage, frames over the limit, a wrong token,
-silence past ``handshake_timeout``) and producers that break the protocol are refused:
-closed, counted in :attr:`SampleReceiver.refusals`, logged (a few lines per window), and
-none of it touches the other producers' connections.
+silence past ``handshake_timeout``, a name not in ``allowed_producers``) and producers that
+break the protocol are refused: closed, counted in :attr:`SampleReceiver.refusals`, logged (a
+few lines per window), and none of it touches the other producers' connections.  So are a
+producer whose sample does not match the stream's first sample (other tensor names, dtypes
+or shapes: it could never be stacked into a batch with the others), for good (it counts as
+ended for :meth:`SampleReceiver.wait_all_done`), and one whose sample finds the buffer closed:
+neither ends the run.
 
 .. versionadded:: 0.2
 """
@@ -56,9 +60,16 @@ from lamploop.control._settings import check_int, check_seconds
 from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.wire import new_nonce, proof_matches
-from lamploop.errors import ConfigurationError, ControlChannelError, FrameError, StreamingError
+from lamploop.errors import (
+    BufferClosedError,
+    ConfigurationError,
+    ControlChannelError,
+    FrameError,
+    StreamingError,
+)
 from lamploop.streaming.directory import ProducerDirectory
 from lamploop.streaming.sample import Sample, SampleSink
+from lamploop.streaming.tensor_bytes import Signature, describe_mismatch, signature_of
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_SEQ,
@@ -86,6 +97,9 @@ __all__ = ["IngestStats", "SampleReceiver"]
 logger = logging.getLogger("lamploop.streaming")
 
 _RECENT_REFUSALS = 16
+_REFUSAL_BYTES = PREAUTH_FRAME_BYTES - 96
+"""A Refuse frame stays under what a producer's decoder takes (its reason is cut to fit)."""
+_LISTED_NAMES = 8
 _REPLACE_TIMEOUT = 5.0
 _ACK_DELAY = 0.005
 """Seconds after a put within which it is acknowledged, even if the next put waits; also the
@@ -103,7 +117,8 @@ class IngestStats:
         duplicates: samples dropped because the receiver already held them.
         put_seconds: time spent awaiting ``sink.put`` (the back-pressure of the sink).
         max_put_seconds: the longest single ``sink.put``.
-        refusals: connections refused (strangers, and producers that broke the protocol).
+        refusals: connections refused (strangers, producers that broke the protocol or sent a
+            sample unlike the stream's, and samples after the buffer closed: see ``refusals``).
     """
 
     samples: int
@@ -160,6 +175,14 @@ class SampleReceiver:
             from a checkpoint (default: none).
         producers_done: the producers that had already finished, from a checkpoint.
         expected_producers: the producers to wait for in :meth:`wait_all_done`.
+        allowed_producers: the run's producers: a hello from any other name (with the right
+            token) is refused at the handshake, naming it and the list, and counted in
+            :attr:`refusals`; ``None`` (the default): any producer that proves the token.
+            :meth:`~lamploop.streaming.state.StreamState.open_receiver` gives its ``producers``.
+        uniform_samples: every sample must have the tensor names, dtypes and shapes of the
+            first sample this receiver took (they are stacked into batches); a producer whose
+            sample differs is refused for good (see :attr:`producers_refused`).  ``False``: samples
+            of varying shapes are taken (for a collate function of your own).
         max_frame_bytes: the largest frame accepted once a producer proved the token.
         handshake_timeout: a connection must finish the handshake within this many seconds.
         idle_timeout: a producer's connection silent this long is closed (the producer
@@ -192,6 +215,8 @@ class SampleReceiver:
         acknowledged: Mapping[str, int] | None = None,
         producers_done: Iterable[str] = (),
         expected_producers: Iterable[str] | None = None,
+        allowed_producers: Iterable[str] | None = None,
+        uniform_samples: bool = True,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
@@ -221,6 +246,18 @@ class SampleReceiver:
             if expected_producers is None
             else frozenset(_check_name("expected_producers", name) for name in expected_producers)
         )
+        self._allowed = (
+            None
+            if allowed_producers is None
+            else frozenset(_check_name("allowed_producers", name) for name in allowed_producers)
+        )
+        if not isinstance(uniform_samples, bool):
+            msg = f"uniform_samples must be a bool, got {type(uniform_samples).__name__}"
+            raise ConfigurationError(msg)
+        self._uniform = uniform_samples
+        # The first sample taken: its producer, seq and signature (what every sample must match).
+        self._reference: tuple[str, int, Signature] | None = None
+        self._refused_producers: dict[str, str] = {}
         self._sink = sink
         try_put_many = getattr(sink, "try_put_many", None)
         self._try_put_many: Callable[[Sequence[Sample]], int] | None = (
@@ -301,8 +338,15 @@ class SampleReceiver:
         return frozenset(self._done)
 
     @property
+    def producers_refused(self) -> dict[str, str]:
+        """The producers refused for good, and why (a sample unlike the stream's first one): they
+        count as ended for :meth:`wait_all_done`; their samples before that one were taken."""
+        return dict(self._refused_producers)
+
+    @property
     def refusals(self) -> int:
-        """Connections refused so far: strangers, and producers that broke the protocol."""
+        """Connections refused so far: strangers (a name not allowed included), producers that
+        broke the protocol or sent a sample unlike the stream's, and samples after the buffer closed."""
         return self._refusals.total
 
     @property
@@ -323,7 +367,8 @@ class SampleReceiver:
         )
 
     async def wait_all_done(self) -> None:
-        """Wait until every producer of ``expected_producers`` has sent Done.
+        """Wait until every producer of ``expected_producers`` has sent Done (or was refused for
+        good: :attr:`producers_refused`).
 
         Raises:
             ConfigurationError: the receiver has no ``expected_producers``.
@@ -364,7 +409,7 @@ class SampleReceiver:
         self._all_done_or_failed.set()
 
     def _check_all_done(self) -> None:
-        if self._expected is not None and self._expected <= self._done:
+        if self._expected is not None and self._expected <= self._done | self._refused_producers.keys():
             self._all_done_or_failed.set()
 
     # -- serving --
@@ -388,7 +433,7 @@ class SampleReceiver:
             except _Stranger as exc:
                 self._refusals.refused(conn.peer, str(exc))
                 if exc.reply:
-                    await conn.send_best_effort(Refuse(str(exc)))
+                    await conn.send_best_effort(_refuse(str(exc)))
                 return
             if await self._redirected(conn, hello, nonce):
                 return
@@ -397,7 +442,7 @@ class SampleReceiver:
                     await self._serve_producer(conn, hello, nonce)
             except _Stranger as exc:
                 self._refusals.refused(conn.peer, str(exc))
-                await conn.send_best_effort(Refuse(str(exc)))
+                await conn.send_best_effort(_refuse(str(exc)))
         finally:
             await conn.aclose()
 
@@ -433,6 +478,15 @@ class SampleReceiver:
                 f"producer {message.producer!r} speaks streaming protocol version "
                 f"{message.protocol_version}, the receiver speaks version {PROTOCOL_VERSION}"
             )
+            raise _Stranger(msg, reply=True)
+        if self._allowed is not None and message.producer not in self._allowed:
+            msg = (
+                f"producer {message.producer!r} is not one of this run's producers ({_listed(self._allowed)})"
+            )
+            raise _Stranger(msg, reply=True)
+        refused = self._refused_producers.get(message.producer)
+        if refused is not None:  # it may not have read why, the first time
+            msg = f"producer {message.producer!r} was refused for good: {refused}"
             raise _Stranger(msg, reply=True)
         return message, nonce
 
@@ -506,7 +560,7 @@ class SampleReceiver:
         reason = await self._ingest(conn, name)
         if reason is not None:
             self._refusals.refused(conn.peer, f"producer {name!r}: {reason}")
-            await conn.send_best_effort(Refuse(reason))
+            await conn.send_best_effort(_refuse(reason))
 
     async def _ingest(self, conn: FramedStream, name: str) -> str | None:
         """Take samples until the producer leaves; why it broke the protocol, or ``None``."""
@@ -557,8 +611,18 @@ class SampleReceiver:
                 if held > 0:
                     self._duplicates += min(held, len(message.samples))
                 size, count = conn.last_frame_bytes, len(message.samples)
-                if held < count and not await self._put_batch(name, message, held, size, acks):
-                    return None
+                if held < count:
+                    stop, unlike = self._check_samples(name, message, max(held, 0))
+                    put = await self._put_batch(name, message, held, stop, size, acks)
+                    if put is False:
+                        return None  # the sink failed: so does the receiver
+                    if isinstance(put, str):
+                        return put
+                    if unlike is not None:  # refused for good; what came before it is acknowledged
+                        await self._ack(conn, name, acks, force=True)
+                        self._refused_producers[name] = unlike
+                        self._check_all_done()
+                        return unlike
                 since_ack += len(message.samples)
                 paused = not conn.has_pending and anyio.current_time() - acks.at >= _ACK_DELAY
                 if since_ack >= self._ack_every or paused:
@@ -606,15 +670,46 @@ class SampleReceiver:
                 return False
             return True
 
-    async def _put_batch(self, name: str, batch: SamplesFrame, skip: int, nbytes: int, acks: _Acks) -> bool:
-        """Put the batch's samples from index ``skip`` on into the sink, in order, and count them;
-        ``False`` if the sink failed (the receiver fails).
+    def _check_samples(self, name: str, batch: SamplesFrame, start: int) -> tuple[int, str | None]:
+        """The index of the batch's first sample from ``start`` on that does not match the stream's
+        first sample (its length if none), and why it does not (``None`` if none)."""
+        if not self._uniform:
+            return len(batch.samples), None
+        signatures = batch.signatures
+        if len(signatures) != len(batch.samples):  # not decoded from bytes (made by hand)
+            signatures = tuple(signature_of(tensors) for tensors in batch.samples)
+        if self._reference is None:
+            self._reference = (name, batch.first_seq + start, signatures[start])
+        expected = self._reference[2]
+        for index in range(start, len(signatures)):
+            signature = signatures[index]
+            if signature is expected:  # the usual case: samples of one header share one object
+                continue
+            mismatch = describe_mismatch(signature, expected)
+            if mismatch is None:
+                continue
+            owner, seq = self._reference[:2]
+            reason = (
+                f"sample seq {batch.first_seq + index} does not match the stream's samples: {mismatch[1]} "
+                f"(as in its first sample, seq {seq} of producer {owner!r:.100}); refused: the samples of "
+                "a batch are stacked, so they need the same tensors, dtypes and shapes "
+                "(SampleReceiver(uniform_samples=False) takes samples that differ)"
+            )
+            return index, reason
+        return len(signatures), None
+
+    async def _put_batch(
+        self, name: str, batch: SamplesFrame, skip: int, stop: int, nbytes: int, acks: _Acks
+    ) -> bool | str:
+        """Put the batch's samples from index ``skip`` to ``stop`` into the sink, in order, and
+        count them; ``False`` if the sink failed (the receiver fails), why the producer is refused
+        if the sink is a closed buffer (the trainer takes no more samples), else ``True``.
 
         A sink with ``try_put_many`` (a buffer) takes what it has room for in one synchronous
         step; a sample it has no room for goes through ``put`` (which waits), then the rest again.
         """
         first = batch.first_seq
-        samples = [Sample(name, first + i, batch.samples[i]) for i in range(max(skip, 0), len(batch.samples))]
+        samples = [Sample(name, first + i, batch.samples[i]) for i in range(max(skip, 0), stop)]
         share = nbytes / len(batch.samples)
         done = 0
         while done < len(samples):
@@ -625,6 +720,12 @@ class SampleReceiver:
                 else:
                     await self._sink.put(samples[done])
                     taken = 1
+            except BufferClosedError:  # the producers were declared done: this one is refused, not the run
+                key = samples[done].key
+                return (
+                    f"sample seq {key[1]} arrived after the trainer closed its buffer (its producers were "
+                    "declared done): it takes no more samples"
+                )
             except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
                 key = samples[done].key
                 error = StreamingError(f"the sink's put failed for sample {key}: {explain(exc)}")
@@ -640,6 +741,21 @@ class SampleReceiver:
             self._max_put_seconds = max(self._max_put_seconds, elapsed)
             acks.wake.set()  # acknowledged soon, even if the next put waits long
         return True
+
+
+def _refuse(reason: str) -> Refuse:
+    """A Refuse whose frame a producer's decoder takes (the reason cut if need be)."""
+    while len(encode_frame(Refuse(reason))) > _REFUSAL_BYTES:
+        reason = reason[: len(reason) * 3 // 4] + "..."
+    return Refuse(reason)
+
+
+def _listed(names: frozenset[str]) -> str:
+    """The first few of ``names``, sorted, for a message."""
+    ordered = sorted(names)
+    shown = ", ".join(repr(name[:60]) for name in ordered[:_LISTED_NAMES])
+    more = f" and {len(ordered) - _LISTED_NAMES} more" if len(ordered) > _LISTED_NAMES else ""
+    return f"[{shown}]{more}"
 
 
 def _check_name(where: str, name: object) -> str:

@@ -103,7 +103,8 @@ class StreamState:
         Args:
             token: the secret shared with the producers.
             producers: every producer's name (of all ranks); this rank's receiver waits for
-                its share of them (:meth:`~lamploop.streaming.receiver.SampleReceiver.wait_all_done`).
+                its share of them (:meth:`~lamploop.streaming.receiver.SampleReceiver.wait_all_done`),
+                and refuses any other name at the handshake (``allowed_producers``).
             nranks: the run's number of ranks.
             rank: this rank (default: the launcher's, else 0).
             options: more :class:`~lamploop.streaming.receiver.SampleReceiver` arguments
@@ -117,6 +118,7 @@ class StreamState:
             raise ConfigurationError(msg)
         rank = _this_rank(rank)
         names = list(producers)
+        options.setdefault("allowed_producers", names)  # any other name is refused at the handshake
         if nranks > 1 and rank == 0:  # the root hands the producers out; the others take theirs
             options.setdefault("directory_assignments", {n: producer_rank(names, n, nranks) for n in names})
             options.setdefault("directory_index", 0)  # its own share at once; the others' wait
@@ -137,8 +139,12 @@ class StreamState:
 
     def _capture(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, buffer_meta = self.buffer.state_dict()
+        receiver = self.receiver
+        # A producer refused for good (samples unlike the stream's) is not waited for after a resume either.
         done = (
-            sorted(self.receiver.producers_done) if self.receiver is not None else list(self._producers_done)
+            sorted(receiver.producers_done | receiver.producers_refused.keys())
+            if receiver is not None
+            else list(self._producers_done)
         )
         return tensors, {"buffer": buffer_meta, "producers_done": done}
 

@@ -23,14 +23,23 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import attrs
 import torch
 
 from lamploop.errors import FrameError
 
-__all__ = ["DTYPES", "address_of", "decode_tensors", "encode_tensors"]
+__all__ = [
+    "DTYPES",
+    "Signature",
+    "address_of",
+    "decode_tensors",
+    "decode_tensors_signed",
+    "describe_mismatch",
+    "encode_tensors",
+    "signature_of",
+]
 
 DTYPES: Final[dict[str, torch.dtype]] = {
     "F64": torch.float64,
@@ -145,6 +154,38 @@ def _entry(name: object, entry: object) -> tuple[torch.dtype, list[int], int, in
     return dtype, shape, begin, end
 
 
+Signature: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+"""A sample's tensors' names, dtypes and shapes, by name: what samples stacked into one batch share."""
+
+
+def signature_of(tensors: Mapping[str, torch.Tensor]) -> Signature:
+    """The :data:`Signature` of a sample's named tensors."""
+    return tuple(sorted(((name, t.dtype, tuple(t.shape)) for name, t in tensors.items()), key=lambda e: e[0]))
+
+
+def describe_mismatch(signature: Signature, expected: Signature) -> tuple[str, str] | None:
+    """How ``signature`` differs from ``expected``: ``(the first tensor's name that differs, what
+    differs)``, or ``None`` when they are the same."""
+    if signature == expected:
+        return None
+    names, expected_names = [e[0] for e in signature], [e[0] for e in expected]
+    if names != expected_names:
+        field = sorted(set(names) ^ set(expected_names))[0]
+        return field, f"its tensors are {names!s:.200}, not {expected_names!s:.200}"
+    for (name, dtype, shape), (_, other_dtype, other_shape) in zip(signature, expected, strict=True):
+        if (dtype, shape) != (other_dtype, other_shape):
+            what = (
+                f"tensor {name!r:.100} has shape {list(shape)!s:.100} ({_dtype_name(dtype)}), "
+                f"not {list(other_shape)!s:.100} ({_dtype_name(other_dtype)})"
+            )
+            return name, what
+    return None  # pragma: no cover (the same names, dtypes and shapes: the same signature)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @attrs.frozen
 class _Layout:
     """A checked safetensors header: each tensor's name, dtype, shape and byte range."""
@@ -152,6 +193,7 @@ class _Layout:
     tensors: tuple[tuple[str, torch.dtype, list[int], int, int], ...]
     data_bytes: int  # what the tensors cover, exactly
     self_aligned: bool  # every tensor's offset is a multiple of its dtype's size
+    signature: Signature  # made once per layout: samples of one header share the same object
 
 
 _LAYOUTS: dict[bytes, _Layout] = {}
@@ -183,7 +225,10 @@ def _layout(text: bytes) -> _Layout:
             raise _bad(f"the tensors' bytes do not tile the data: a hole or an overlap at byte {begin}")
         covered = end
     aligned = all(begin % dtype.itemsize == 0 for _, dtype, _, begin, _ in entries)
-    layout = _Layout(tuple(entries), covered, aligned)
+    signature = tuple(
+        sorted(((name, dtype, tuple(shape)) for name, dtype, shape, _, _ in entries), key=lambda e: e[0])
+    )
+    layout = _Layout(tuple(entries), covered, aligned, signature)
     if len(_LAYOUTS) >= _MAX_LAYOUTS:
         _LAYOUTS.clear()
     _LAYOUTS[text] = layout
@@ -212,6 +257,22 @@ def decode_tensors(
     Raises:
         FrameError: the range is not safetensors bytes, or holds no tensor.
     """
+    return decode_tensors_signed(data, start, stop, address=address)[0]
+
+
+def decode_tensors_signed(
+    data: bytes | bytearray | memoryview,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    address: int | None = None,
+) -> tuple[dict[str, torch.Tensor], Signature]:
+    """:func:`decode_tensors` and the tensors' :data:`Signature`, at no extra cost: samples with
+    the same header share one signature object (until the cache of headers is emptied).
+
+    Raises:
+        FrameError: as :func:`decode_tensors`.
+    """
     stop = len(data) if stop is None else stop
     if stop - start < _LENGTH.size:
         raise _bad(f"{stop - start} bytes are too few for a safetensors header")
@@ -238,4 +299,4 @@ def decode_tensors(
             count = (end - begin) // dtype.itemsize
             flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
             tensors[name] = flat if len(shape) == 1 else flat.view(shape)  # a view costs 1.5 µs
-    return tensors
+    return tensors, layout.signature

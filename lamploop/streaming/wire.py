@@ -68,7 +68,13 @@ import torch
 from lamploop.control._framed import FramedBytes
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
 from lamploop.errors import ConfigurationError, FrameError, StreamingError
-from lamploop.streaming.tensor_bytes import address_of, decode_tensors, encode_tensors
+from lamploop.streaming.tensor_bytes import (
+    Signature,
+    address_of,
+    decode_tensors,
+    decode_tensors_signed,
+    encode_tensors,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -275,6 +281,9 @@ class SamplesFrame:
     samples: tuple[Mapping[str, torch.Tensor], ...] = attrs.field(
         converter=tuple, validator=_samples, eq=False, repr=False
     )
+    signatures: tuple[Signature, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)
+    """Each sample's tensors' names, dtypes and shapes when decoded from bytes (one object per
+    header); empty when made otherwise (the receiver then finds them from the tensors)."""
 
     @property
     def last_seq(self) -> int:
@@ -319,7 +328,10 @@ _JSON_TYPES: Final = {"int": int, "str": str}
 # The header fields of each message and their JSON types (a batch's samples are its payload,
 # described by the header's "sizes").
 _FIELDS: Final[dict[type[Any], dict[str, type[Any]]]] = {
-    cls: {f.name: _JSON_TYPES[str(f.type)] for f in attrs.fields(cls) if f.name != "samples"} for cls in _TAGS
+    cls: {
+        f.name: _JSON_TYPES[str(f.type)] for f in attrs.fields(cls) if f.name not in ("samples", "signatures")
+    }
+    for cls in _TAGS
 }
 _FIELDS[SamplesFrame]["sizes"] = list
 
@@ -460,7 +472,7 @@ def decode_body(body: bytes | bytearray) -> Message:
     try:
         if cls is SamplesFrame:
             _seq(None, attrs.fields(SamplesFrame).first_seq, obj["first_seq"])  # sound before the payload
-            obj["samples"] = _decode_samples(body, end, obj.pop("sizes"))
+            obj["samples"], obj["signatures"] = _decode_samples(body, end, obj.pop("sizes"))
         message: Message = cls(**obj)
     except ValueError as exc:
         msg = f"malformed {tag!r} message: {exc}"
@@ -468,8 +480,10 @@ def decode_body(body: bytes | bytearray) -> Message:
     return message
 
 
-def _decode_samples(body: bytes | bytearray, start: int, sizes: list[Any]) -> list[dict[str, torch.Tensor]]:
-    """Each sample's tensors in ``body[start:]``, whose payloads have these ``sizes``."""
+def _decode_samples(
+    body: bytes | bytearray, start: int, sizes: list[Any]
+) -> tuple[list[dict[str, torch.Tensor]], list[Signature]]:
+    """Each sample's tensors in ``body[start:]`` (payloads of these ``sizes``), and their signatures."""
     if not 1 <= len(sizes) <= MAX_SAMPLES_PER_FRAME:
         msg = f"sizes lists 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(sizes)}"
         raise FrameError(f"malformed 'samples' message: {msg}")
@@ -493,13 +507,16 @@ def _decode_samples(body: bytes | bytearray, start: int, sizes: list[Any]) -> li
         )
         raise FrameError(msg)
     samples = []
+    signatures = []
     address = address_of(body)
     for begin, size in zip(offsets, sizes, strict=True):
         if size * _COPY_BELOW_SHARE < len(body):  # small: copied, so as not to pin the whole frame
-            samples.append(decode_tensors(bytearray(body[begin : begin + size])))
+            tensors, signature = decode_tensors_signed(bytearray(body[begin : begin + size]))
         else:
-            samples.append(decode_tensors(body, begin, begin + size, address=address))
-    return samples
+            tensors, signature = decode_tensors_signed(body, begin, begin + size, address=address)
+        samples.append(tensors)
+        signatures.append(signature)
+    return samples, signatures
 
 
 class FrameDecoder:

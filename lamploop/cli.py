@@ -12,7 +12,7 @@ Subcommands::
 
 ``CKPT`` is a checkpoint directory or a run directory (then its latest valid checkpoint).
 ``demo`` saves its settings in ``DIR/config.json``; run again in the same directory, a
-flag that disagrees with them is refused, naming it (``--epochs`` may be raised).
+flag that disagrees with them is refused, naming it (``--epochs`` may change).
 
 Exit statuses: 0 done; 1 training failed (one line on stderr says why: a lost rank, a bad
 batch, a corrupt checkpoint, a flag that disagrees with the saved configuration...), or
@@ -33,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lamploop.errors import LamploopError, TrainingInterrupted
+from lamploop.errors import ConfigurationError, LamploopError, TrainingInterrupted
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED", "main"]
 
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train an MLP on scikit-learn's digits and leave checkpoints",
         description="Train an MLP on scikit-learn's digits, checkpointing into --out; its settings are "
         "saved there as config.json. Run again in the same directory, it resumes; a flag that "
-        "disagrees with the saved settings is refused (--epochs may be raised).",
+        "disagrees with the saved settings is refused (--epochs may change).",
     )
     # Flags default to None: a flag left out takes the saved value when resuming.
     demo.add_argument("--epochs", type=int, help="epochs in all (default: 30)")
@@ -159,6 +159,10 @@ def _demo(args: argparse.Namespace) -> int:
         if value is not None
     }
     directory = args.resume if args.resume is not None else (args.out or Path("runs/demo"))
+    if directory.exists() and not directory.is_dir():
+        flag = "--resume" if args.resume is not None else "--out"
+        msg = f"{flag} {directory}: exists and is not a directory; name a directory for the run"
+        raise ConfigurationError(msg)
     config = demo_config(directory, given, resume=args.resume is not None)
     train_demo(config, directory)
     return EXIT_OK

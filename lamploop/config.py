@@ -5,7 +5,7 @@ or seed would resume the checkpoint into another run.  :func:`save_config` write
 configuration next to the checkpoints (atomically), :func:`load_config` reads it back
 strictly (the kind, the version, every field's type; unknown keys are refused), and
 :func:`resolve_config` merges what a command line gives with what was saved, refusing any
-value that disagrees (except fields that may be raised, such as the number of epochs).
+value that disagrees (except fields that may change, such as the number of epochs).
 
 The file::
 
@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Final, TypeVar
 import attrs
 
 from lamploop.checkpoint.files import read_json_object
+from lamploop.checks import int_at_least
 from lamploop.errors import ConfigurationError
 from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
@@ -52,7 +53,8 @@ class DemoConfig:
     """What ``lamploop demo`` trains with (see :func:`lamploop.demo.run_demo`).
 
     Attributes:
-        epochs: epochs in all (a resumed run may raise it to train longer).
+        epochs: epochs in all, at least 1 (a resumed run may change it: more to train longer,
+            fewer to end sooner than planned).
         batch_size: training examples per batch (per rank).
         world_size: local ranks, one process each.
         seed: seed of the train/validation split, the initial weights and the shuffling.
@@ -62,7 +64,7 @@ class DemoConfig:
 
     config_version: ClassVar[int] = 1
 
-    epochs: int = 30
+    epochs: int = attrs.field(default=30, validator=int_at_least(None, 1))
     batch_size: int = 32
     world_size: int = 2
     seed: int = 0
@@ -164,14 +166,15 @@ def resolve_config(
     given: Mapping[str, Any],
     *,
     resume: bool = False,
-    may_raise: Collection[str] = ("epochs",),
+    may_change: Collection[str] = ("epochs",),
     given_by: str = "the command line",
 ) -> C:
     """The configuration to train with in ``directory``: ``given`` checked against the saved one.
 
     - ``directory`` holds a ``config.json`` and checkpoints (or ``resume`` is true): the saved
-      configuration, with the fields of ``given`` (each must agree with the saved value; the
-      fields in ``may_raise`` may instead be raised, e.g. to train for more epochs);
+      configuration, with the fields of ``given`` (each must agree with the saved value, but
+      for the fields in ``may_change``: the number of epochs, to train longer or to end a
+      run sooner than planned);
     - otherwise nothing was trained there yet: ``cls(**given)`` (defaults for the rest).
 
     Args:
@@ -179,7 +182,7 @@ def resolve_config(
         cls: the configuration class.
         given: the fields set explicitly (e.g. the flags given on a command line).
         resume: the caller asks to resume: ``config.json`` must exist.
-        may_raise: fields whose value may be raised above the saved one (numbers).
+        may_change: fields whose value may differ from the saved one.
         given_by: who gave ``given``, for the messages.
 
     Raises:
@@ -208,15 +211,12 @@ def resolve_config(
     problems = []
     for name, value in given.items():
         before = getattr(saved, name)
-        if _same(before, value) or (name in may_raise and value > before):
+        if _same(before, value) or name in may_change:
             continue
-        problem = (
+        problems.append(
             f"{name}: the checkpoint in {root} was trained with {_show(before)}, "
             f"{given_by} says {_show(value)}"
         )
-        if name in may_raise:
-            problem += f" ({name} may only be raised)"
-        problems.append(problem)
     if problems:
         raise ConfigurationError("; ".join(problems))
     return cls(**{**attrs.asdict(saved, recurse=False), **given})

@@ -165,7 +165,7 @@ def train_demo(config: DemoConfig, out: Path) -> float | None:
     result = accuracy(module, x_valid, y_valid)
     print(
         f"best epoch {state.min_validation_epoch} "
-        f"(smoothed validation loss {state.min_validation_loss:.4f}); "
+        f"(validation loss {state.min_validation_loss:.4f}); "
         f"validation accuracy {result:.4f}; checkpoints in {out}/",
         flush=True,
     )

@@ -41,6 +41,11 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
 
 
+def _is_smoothed(state: LoopState) -> bool:
+    """Whether smoothing changed any validation loss (never with the default factor 1.0)."""
+    return any(v is not None and v[0] != v[1] for v in (e.validation_loss for e in state.learning_curve))
+
+
 def _curve_table(state: LoopState) -> list[str]:
     curve = state.learning_curve
     training_metrics = sorted({name for e in curve for name in e.training_metrics})
@@ -53,7 +58,10 @@ def _curve_table(state: LoopState) -> list[str]:
             for e in curve
         )
     ]
+    loss_smoothed = _is_smoothed(state)
     header = ["epoch", "train loss", "valid raw", "valid smoothed", "lr factor"]
+    if not loss_smoothed:  # the default factor 1.0: one validation column
+        header[2:4] = ["valid loss"]
     header += [f"train {n}" for n in training_metrics]
     for n in validation_metrics:
         header.append(f"valid {n}")
@@ -70,6 +78,8 @@ def _curve_table(state: LoopState) -> list[str]:
             _number(None if valid is None else valid[0]),
             _number(e.learning_rate_factor),
         ]
+        if not loss_smoothed:
+            del row[3]
         row += [_number(e.training_metrics.get(n)) for n in training_metrics]
         for n in validation_metrics:
             pair = e.validation_metrics.get(n)
@@ -131,13 +141,14 @@ def format_report(report: CheckpointReport) -> str:
                 "(a step-boundary checkpoint)"
             )
         lines.append(f"epochs done  {len(state.learning_curve)}")
-        lines.append(f"last valid   {_number(state.last_validation_loss)} (smoothed)")
+        smoothed = _is_smoothed(state)
+        lines.append(f"last valid   {_number(state.last_validation_loss)}{' (smoothed)' if smoothed else ''}")
         if state.min_validation_epoch is None:
             lines.append("best epoch   none yet (no validation)")
         else:
+            kind = "smoothed validation loss" if smoothed else "validation loss"
             lines.append(
-                f"best epoch   {state.min_validation_epoch} "
-                f"(smoothed validation loss {_number(state.min_validation_loss)})"
+                f"best epoch   {state.min_validation_epoch} ({kind} {_number(state.min_validation_loss)})"
             )
         lines.append("")
         if state.learning_curve:

@@ -125,6 +125,7 @@ def _draw(figure: Figure, state: LoopState, title: str) -> None:
         raw = [e.validation_loss[1] for e in validated if e.validation_loss is not None]
         smoothed = [e.validation_loss[0] for e in validated if e.validation_loss is not None]
         # The raw loss on top of the smoothed one, which it hides when nothing is smoothed.
+        is_smoothed = smoothed != raw  # not with the default factor 1.0: one line then
         (raw_line,) = axes.plot(
             epochs,
             raw,
@@ -133,19 +134,22 @@ def _draw(figure: Figure, state: LoopState, title: str) -> None:
             markersize=4,
             linewidth=1,
             zorder=3,
-            label="validation loss (raw)",
+            label="validation loss (raw)" if is_smoothed else "validation loss",
         )
-        (smoothed_line,) = axes.plot(
-            epochs, smoothed, color=SMOOTHED_COLOR, linewidth=2.5, label="validation loss (smoothed)"
-        )
-        handles += [raw_line, smoothed_line]
+        handles.append(raw_line)
+        if is_smoothed:
+            (smoothed_line,) = axes.plot(
+                epochs, smoothed, color=SMOOTHED_COLOR, linewidth=2.5, label="validation loss (smoothed)"
+            )
+            handles.append(smoothed_line)
     best = state.min_validation_epoch
     if best is not None:
         at_best = next((e.validation_loss for e in validated if e.epoch == best), None)
         value = at_best[0] if at_best is not None else state.min_validation_loss
         axes.axvline(best, color=BEST_EPOCH_COLOR, linestyle="--", linewidth=1.2)
         if value is not None:
-            label = f"best epoch {best} (smoothed validation loss {value:.4g})"
+            kind = "smoothed validation loss" if validated and is_smoothed else "validation loss"
+            label = f"best epoch {best} ({kind} {value:.4g})"
             (star,) = axes.plot(
                 [best],
                 [value],

@@ -205,16 +205,45 @@ def test_a_flag_that_disagrees_with_the_saved_config_is_refused_naming_the_field
     assert load_config(run, DemoConfig) == SAVED
 
 
-def test_fewer_epochs_and_several_disagreements_are_refused_together(
-    run: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["demo", "--out", str(run), "--epochs", "1", "--batch-size", "64"]) == EXIT_FAILED
+def test_several_disagreements_are_refused_together(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["demo", "--out", str(run), "--epochs", "1", "--batch-size", "64", "--seed", "5"]) == EXIT_FAILED
+    )
     err = capsys.readouterr().err
     assert err == (
-        f"lamploop: ConfigurationError: epochs: the checkpoint in {run} was trained with 2, the command "
-        f"line says 1 (epochs may only be raised); batch_size: the checkpoint in {run} was trained with 128, "
-        "the command line says 64\n"
+        f"lamploop: ConfigurationError: batch_size: the checkpoint in {run} was trained with 128, "
+        f"the command line says 64; seed: the checkpoint in {run} was trained with 3, "
+        "the command line says 5\n"
     )
+
+
+def test_fewer_epochs_end_a_run_sooner_and_say_there_is_nothing_left(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    latest = (run / "latest").read_text()
+    assert main(["demo", "--resume", str(run), "--epochs", "1"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "nothing to train: the run is at epoch 2 and max_epochs is 1" in out
+    assert "lamploop demo --epochs N" in out
+    assert not [line for line in out.splitlines() if line.startswith("epoch")]
+    assert (run / "latest").read_text() == latest
+    assert load_config(run, DemoConfig) == attrs.evolve(SAVED, epochs=1)
+
+
+def test_the_demo_refuses_zero_epochs_and_a_file_for_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--out", str(tmp_path / "run"), "--epochs", "0"]) == EXIT_FAILED
+    assert capsys.readouterr().err == "lamploop: ConfigurationError: epochs must be an int >= 1, got 0\n"
+    assert not (tmp_path / "run").exists()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    assert main(["demo", "--out", str(a_file), "--epochs", "1"]) == EXIT_FAILED
+    assert capsys.readouterr().err == (
+        f"lamploop: ConfigurationError: --out {a_file}: exists and is not a directory; "
+        "name a directory for the run\n"
+    )
+    assert a_file.read_text() == "mine\n"
 
 
 def test_run_demo_s_arguments_are_checked_too(run: Path) -> None:

@@ -34,12 +34,27 @@ def describe_epoch(event: EpochFinished) -> str:
     text = f"epoch {entry.epoch}: train loss {entry.training_loss:.4f}"
     if entry.validation_loss is not None:
         smoothed, raw = entry.validation_loss
-        text += f", validation loss {raw:.4f} (smoothed {smoothed:.4f})"
+        text += f", validation loss {raw:.4f}{_smoothed(smoothed, raw)}"
     for name, value in entry.training_metrics.items():
         text += f", train {name} {value:.4f}"
     for name, (smoothed, raw) in entry.validation_metrics.items():
-        text += f", validation {name} {raw:.4f} (smoothed {smoothed:.4f})"
+        text += f", validation {name} {raw:.4f}{_smoothed(smoothed, raw)}"
     return text
+
+
+def _smoothed(smoothed: float, raw: float) -> str:
+    """`` (smoothed x)`` where smoothing changed the value (never with the default factor 1.0)."""
+    return "" if smoothed == raw else f" (smoothed {smoothed:.4f})"
+
+
+def describe_run_started(event: RunStarted) -> str:
+    """The line of a run's start; a resumed run with no epoch left says so, and how to train on."""
+    if event.epoch >= event.max_epochs:
+        return (
+            f"nothing to train: the run is at epoch {event.epoch} and max_epochs is {event.max_epochs} "
+            "(raise max_epochs, e.g. lamploop demo --epochs N, to train on)"
+        )
+    return f"training on {event.nranks} rank(s) from epoch {event.epoch} to {event.max_epochs}"
 
 
 def _describe(event: Event) -> tuple[int, str] | None:
@@ -47,7 +62,7 @@ def _describe(event: Event) -> tuple[int, str] | None:
     if isinstance(event, EpochFinished):
         return 0, describe_epoch(event)
     if isinstance(event, RunStarted):
-        return 0, f"training on {event.nranks} rank(s) from epoch {event.epoch} to {event.max_epochs}"
+        return 0, describe_run_started(event)
     if isinstance(event, RunFinished):
         return 0, f"finished after epoch {event.state.epoch - 1}"
     if isinstance(event, RunStopped):

@@ -42,7 +42,7 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
-from lamploop.reporting.logging_reporter import describe_epoch
+from lamploop.reporting.logging_reporter import describe_epoch, describe_run_started
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -231,10 +231,7 @@ class ProgressReporter:
         self._stop_display()  # a reporter reused for a second run starts afresh
         self._max_epochs, self._started_at = event.max_epochs, event.time
         self._epoch_seconds = []
-        self._line(
-            f"training on {event.nranks} rank(s) from epoch {event.epoch} to {event.max_epochs}",
-            event.time,
-        )
+        self._line(describe_run_started(event), event.time)
         progress = self._display()
         if progress is not None and self._epochs_task is not None:
             progress.update(self._epochs_task, total=event.max_epochs, completed=event.epoch)

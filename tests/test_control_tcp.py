@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +12,7 @@ import anyio
 import anyio.abc
 import attrs
 import pytest
+from support import free_port
 
 from lamploop.control import Command, Rendezvous, Stop, TcpControlFollower, TcpControlRoot, Train, Valid
 from lamploop.control.wire import (
@@ -174,12 +174,6 @@ async def raw_join(peer: RawPeer, *, rank: int, nranks: int, token: bytes = TOKE
     welcome = await peer.receive()
     assert isinstance(welcome, Welcome), welcome
     return welcome
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- joining -----------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import csv
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from support import free_port
 
 import lamploop
 from lamploop.errors import NonFiniteLossError, TrainingInterrupted
@@ -168,12 +168,6 @@ async def _enumerate(stream: Any) -> Any:
         i += 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _scrape(port: int) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -187,7 +181,7 @@ def _scrape(port: int) -> dict[str, float]:
 def test_two_ranks_report_to_prometheus_tensorboard_and_csv_while_training(tmp_path: Path) -> None:
     """A real 2-process run: scrape its Prometheus endpoint while it trains, then read the
     TensorBoard event file and the CSV back, and the events the root heard."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     command = [sys.executable, str(ROOT / "tests/workers/events_fit.py"), str(out), "--world-size", "2"]
     command += ["--epochs", "4", "--batch-sleep", "0.05", "--prometheus-port", str(port)]
     command += ["--tensorboard", str(tmp_path / "tb"), "--metrics-file", str(tmp_path / "curve.csv")]

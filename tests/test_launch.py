@@ -11,13 +11,13 @@ batches of 8 see, step by step, what one rank sees with batches of 16).
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fit_reference import Reference, check_against_single_process, single_process_fit
+from support import free_port
 from workers import rank as worker  # tests/ is on sys.path: pytest puts conftest.py's folder there
 
 from lamploop.distributed.launch import DEFAULT_SLURM_CONTROL_PORT, LaunchEnv, launch_env
@@ -185,12 +185,6 @@ def test_impossible_values_are_refused_up_front(environ: dict[str, str], words: 
 # --- two ranks, launched for real ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Both launches at once (each is mostly waiting on process start-up): their outputs and statuses."""
@@ -203,7 +197,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         procs.start(
             "torchrun",
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(_free_port()), script, "fit", str(outs["torchrun"]), "torchrun"],
+             "--master-port", str(free_port()), script, "fit", str(outs["torchrun"]), "torchrun"],
         )  # fmt: skip
         procs.start("spawn", [sys.executable, script, "fit", str(outs["spawn"]), "spawn"])
         codes = procs.wait_all(200, grace=200)

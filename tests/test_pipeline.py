@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import free_port
 from workers import pipeline_stage as stage_worker  # tests/ is on sys.path (conftest.py's folder)
 from workers import rank as worker
 
@@ -86,12 +86,6 @@ RUNS = [
         "progress": True,
     },
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 Pair = tuple[worker.Processes, Path]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from support import free_port
 
 from lamploop.checkpoint import latest_checkpoint
 
@@ -31,13 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 SAMPLES = 40
 NAMES = ("sim-a", "sim-b")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _env(token: str) -> dict[str, str]:
@@ -94,7 +87,7 @@ def test_a_sigkilled_trainer_resumes_and_every_sample_is_read_max_reads_times(
     tmp_path: Path, policy: str, max_reads: int
 ) -> None:
     token = secrets.token_hex(16)
-    port = _free_port()
+    port = free_port()
     checkpoints = tmp_path / "checkpoints"
 
     def trainer(log: Path) -> subprocess.Popen[str]:
@@ -146,7 +139,7 @@ def test_a_sigkilled_trainer_resumes_and_every_sample_is_read_max_reads_times(
 @pytest.mark.timeout(120)
 def test_a_sigkilled_producer_restarts_from_zero_and_nothing_is_read_twice(tmp_path: Path) -> None:
     token = secrets.token_hex(16)
-    port = _free_port()
+    port = free_port()
     checkpoints, log = tmp_path / "checkpoints", tmp_path / "reads.log"
     trainer = _start(
         [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), "firo", *NAMES], token
@@ -186,7 +179,7 @@ def test_a_sigkilled_producer_restarts_from_zero_and_nothing_is_read_twice(tmp_p
 def test_a_producer_done_before_the_crash_is_not_waited_for_after_it(tmp_path: Path) -> None:
     """The checkpoint records the producers that finished: the resumed run does not wait for them."""
     token = secrets.token_hex(16)
-    port = _free_port()
+    port = free_port()
     checkpoints = tmp_path / "checkpoints"
     counts = {"sim-a": 6, "sim-b": SAMPLES}
 

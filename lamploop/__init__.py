@@ -43,7 +43,7 @@ from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndO
 from lamploop.step_schedules import warmup_cosine, warmup_linear
 from lamploop.sync import register_strategy, strategy_names
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "ALL_EPOCHS",

@@ -51,3 +51,26 @@ def test_every_module_is_in_the_architecture_map() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = sorted(name for name in _top_level() if not re.search(rf"`{name}(/|\.py)?`", text))
     assert missing == [], f"docs/architecture.md does not name {missing}"
+
+
+def test_the_version_matches_the_changelog() -> None:
+    """A released version is the CHANGELOG's newest release; a .dev version is the Unreleased one's goal."""
+    import lamploop
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", text, flags=re.MULTILINE)
+    version = lamploop.__version__
+    if ".dev" in version:
+        goal = version.split(".dev")[0]
+        assert re.search(rf"^## \[Unreleased\]\n\nTowards {re.escape(goal)}\.$", text, flags=re.MULTILINE)
+        assert goal not in releases
+    else:
+        assert releases[0] == version
+    sections: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = sections.setdefault(line, [])
+        elif line.startswith("### "):
+            current.append(line)
+    for release, kinds in sections.items():
+        assert len(kinds) == len(set(kinds)), f"{release}: a kind of change is listed twice: {kinds}"

@@ -24,9 +24,19 @@ def install(session: nox.Session, extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite (multi-process tests included, GPU tests skip without CUDA)."""
+    """The test suite (multi-process tests included, GPU tests skip without CUDA).
+
+    Every test, in two phases: the tests not marked ``serial`` on pytest-xdist workers side
+    by side, then the ``serial`` ones alone (tests/conftest.py). With arguments, just
+    ``pytest <arguments>``.
+    """
     install(session, "test")
-    session.run("pytest", *session.posargs)
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    workers = os.environ.get("LAMPLOOP_TEST_WORKERS", "3")
+    session.run("pytest", "-n", workers, "--dist", "loadfile", "-m", "not serial")
+    session.run("pytest", "-p", "no:xdist", "-m", "serial")
 
 
 @nox.session

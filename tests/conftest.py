@@ -1,8 +1,36 @@
-"""Shared fixtures: anyio runs every async test on asyncio."""
+"""Shared fixtures: anyio runs every async test on asyncio; which modules run alone.
+
+``nox -s tests`` runs the suite in two phases: every test not marked ``serial`` on several
+pytest-xdist workers side by side (most multi-process tests spend their time waiting for
+processes to start and for timeouts, not computing), then the ``serial`` ones alone, one
+after the other: the modules below time a detection, a stop or a heartbeat bound, or load
+the CPU on purpose, and must not share the machine with other tests.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+SERIAL_MODULES = frozenset(
+    {
+        "test_collective_errors",
+        "test_control_tcp",
+        "test_fault",
+        "test_federated_faults",
+        "test_graceful_stop",
+        "test_liveness_defaults",
+        "test_local_parallel_faults",
+        "test_multinode",
+        "test_reliability",
+        "test_stop_while_waiting",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rpartition(".")[2] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture

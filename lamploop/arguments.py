@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lamploop.errors import ConfigurationError
+from lamploop.loop.optimizer import check_takes_parameters
 
 __all__ = ["check_batch_factory", "check_model", "check_optimizer_factory"]
 
@@ -42,6 +43,7 @@ def check_optimizer_factory(where: str, factory: Any) -> None:
     if not callable(factory):
         msg = f"{where}: optimizer_factory must be a function of the parameters, got {type(factory).__name__}"
         raise ConfigurationError(msg)
+    check_takes_parameters(factory, where=where)
 
 
 def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool = False) -> None:

@@ -141,3 +141,30 @@ def test_a_regression_output_of_shape_n_1_against_targets_of_shape_n() -> None:
     state = _fit(model=model, train_batches=lamploop.tensor_batches(X, targets[:, None], batch_size=8))
     assert state is not None
     assert state.epoch == 2
+
+
+@pytest.mark.parametrize(
+    ("factory", "problem"),
+    [
+        (lambda params: None, "optimizer_factory returned None (a forgotten return?)"),
+        (lambda params: list(params), "optimizer_factory returned a list, not a torch.optim.Optimizer"),
+    ],
+    ids=["returns-none", "returns-the-parameters"],
+)
+def test_an_optimizer_factory_that_returns_no_optimizer(factory: Any, problem: str) -> None:
+    module = _module()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ConfigurationError) as info:
+        _fit(model=lamploop.SupervisedModel(module), optimizer_factory=factory)
+    assert str(info.value).startswith(f"rank 0: {problem}; return the optimizer it makes")
+    assert "lambda params: torch.optim.SGD(params, lr=0.1)" in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # nothing trained
+
+
+def test_an_optimizer_factory_without_an_argument_is_refused_before_anything_starts() -> None:
+    def factory() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    with pytest.raises(ConfigurationError) as info:
+        _fit(optimizer_factory=factory, world_size=2)
+    assert str(info.value).startswith("fit: optimizer_factory must take the parameters as its one argument")

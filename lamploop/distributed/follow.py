@@ -20,6 +20,7 @@ from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
 from lamploop.loop.non_finite import NonFiniteLossPolicy
+from lamploop.loop.optimizer import make_optimizer
 from lamploop.loop.precision import Precision
 from lamploop.model import SupervisedModel
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
@@ -97,7 +98,9 @@ async def follow_distributed_training(
 
     def set_up() -> torch.optim.Optimizer | None:
         module.to(torch_device)
-        return optimizer_factory(module.parameters()) if optimizer_factory is not None else None
+        if optimizer_factory is None:
+            return None
+        return make_optimizer(optimizer_factory, module.parameters(), where="follow_distributed_training")
 
     optimizer = await anyio.to_thread.run_sync(set_up)
     base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives

@@ -13,6 +13,7 @@ from lamploop.control.commands import ControlRoot
 from lamploop.distributed.replica import Replica, learning_rates
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
+from lamploop.loop.optimizer import make_optimizer
 from lamploop.model import unwrapped
 from lamploop.state import LoopStateWithModelAndOptimizerData
 
@@ -47,7 +48,7 @@ def set_up_root(
     module.to(device)
     if init_state is not None:
         unwrapped(module).load_state_dict(init_state.model)
-    optimizer = optimizer_factory(module.parameters())
+    optimizer = make_optimizer(optimizer_factory, module.parameters(), where="rank 0")
     base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
     if init_state is not None and init_state.optimizer:
         restore_optimizer_state(optimizer, init_state)

@@ -31,6 +31,7 @@ from lamploop.distributed.root_setup import OptimizerFactory
 from lamploop.errors import BatchError, CheckpointError, ConfigurationError, NonFiniteLossError
 from lamploop.loop.batch_checks import check_stream, prepare, where
 from lamploop.loop.epoch_driver import epochs
+from lamploop.loop.optimizer import make_optimizer
 from lamploop.model import LossFunction, cross_entropy_loss
 from lamploop.pipeline.group import current_group
 from lamploop.pipeline.spec import SCHEDULES, PipelineSpec
@@ -247,7 +248,7 @@ async def train_pipeline(
         raise ConfigurationError(msg)
     rank = group.rank
     runner = StageRunner(stages, rank, spec, loss)
-    optimizer = optimizer_factory(runner.module.parameters())
+    optimizer = make_optimizer(optimizer_factory, runner.module.parameters(), where="train_pipeline")
     best: dict[str, torch.Tensor] = {}
     start_epoch = 0
     if init_state is not None:

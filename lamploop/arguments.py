@@ -7,6 +7,7 @@ the first epoch with an ``AttributeError`` or ``TypeError`` that names none of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,3 +68,34 @@ def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool =
         f"got {kind}; make one with {hint}"
     )
     raise ConfigurationError(msg)
+
+
+def check_reporters(where: str, reporters: Any) -> None:
+    """``reporters``: ``None`` or a sequence of objects with a ``report(event)`` method.
+
+    A plain function (``reporters=[print]``) would fail at every event, each failure logged
+    and the run going on: it is refused before anything starts, with what to pass instead.
+    """
+    if reporters is None:
+        return
+    if isinstance(reporters, str | bytes) or not isinstance(reporters, Sequence):
+        msg = f"{where}: reporters must be a list of reporters, got {type(reporters).__name__}"
+        raise ConfigurationError(msg)
+    for i, reporter in enumerate(reporters):
+        if not callable(getattr(reporter, "report", None)):
+            msg = (
+                f"{where}: reporters[{i}] ({reporter!r}) has no report(event) method; pass a reporter "
+                "such as lamploop.reporting.LoggingReporter(), or an object of your own with "
+                "report(self, event) (see lamploop.reporting.Reporter)"
+            )
+            raise ConfigurationError(msg)
+
+
+def check_early_stopping(where: str, patience: int | None, validation_batches: Any) -> None:
+    """``early_stopping_patience`` counts validations: without validation batches it would never act."""
+    if patience is not None and validation_batches is None:
+        msg = (
+            f"{where}: early_stopping_patience={patience} needs validation_batches: it counts "
+            "validations without a new best model, and there would be none"
+        )
+        raise ConfigurationError(msg)

@@ -33,7 +33,13 @@ import anyio
 import attrs
 import torch
 
-from lamploop.arguments import check_batch_factory, check_model, check_optimizer_factory
+from lamploop.arguments import (
+    check_batch_factory,
+    check_early_stopping,
+    check_model,
+    check_optimizer_factory,
+    check_reporters,
+)
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
@@ -321,6 +327,8 @@ async def fit_async(
     check_optimizer_factory("fit", optimizer_factory)
     check_batch_factory("fit", "train_batches", train_batches)
     check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
+    check_reporters("fit", reporters)
+    check_early_stopping("fit", early_stopping_patience, validation_batches)
     settings = TrainingSettings.from_arguments(locals())
     _check_step_checkpoints(checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds)
     extras = _check_checkpoint_extras(

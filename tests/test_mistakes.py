@@ -168,3 +168,21 @@ def test_an_optimizer_factory_without_an_argument_is_refused_before_anything_sta
     with pytest.raises(ConfigurationError) as info:
         _fit(optimizer_factory=factory, world_size=2)
     assert str(info.value).startswith("fit: optimizer_factory must take the parameters as its one argument")
+
+
+def test_a_function_as_a_reporter_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        _fit(reporters=[print])
+    assert str(info.value).startswith(
+        "fit: reporters[0] (<built-in function print>) has no report(event) method"
+    )
+    assert "lamploop.reporting.LoggingReporter()" in str(info.value)
+
+
+def test_early_stopping_without_validation_batches_is_refused() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        _fit(early_stopping_patience=2)
+    assert str(info.value) == (
+        "fit: early_stopping_patience=2 needs validation_batches: it counts validations without a new "
+        "best model, and there would be none"
+    )

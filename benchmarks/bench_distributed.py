@@ -12,6 +12,7 @@ built over it, under a prefix of its own:
 
 * ``ddp``: the default group, ``init_process_group("gloo", store=PrefixStore("ddp", store))``,
   used by ``torch.nn.parallel.DistributedDataParallel`` (defaults: ``bucket_cap_mb=25``);
+  each tuned DDP contender has a Gloo group of its own (``dist.new_group``);
 * one ``ProcessGroupGloo`` per lamploop contender, wrapped in
   ``lamploop.process_group.ProcessGroupChannel(strategy=...)`` (default ``bucket_cap_mb=25``);
 * ``bench``: the harness's barriers and exchanges only.
@@ -20,10 +21,18 @@ Contenders (same seeded ~8.4M-parameter MLP, same seeded data cut in disjoint
 per-rank shards of 64 examples per batch, ``SGD(lr=0.01, momentum=0.9)``, the
 same number of steps):
 
-* ``ddp``: the idiomatic loop ``opt.zero_grad(set_to_none=True); loss =
-  F.cross_entropy(ddp(x), y); loss.backward(); opt.step()``, losses read once at
+* ``ddp``: the idiomatic loop of PyTorch's DDP tutorial, ``opt.zero_grad(set_to_none=True);
+  loss = F.cross_entropy(ddp(x), y); loss.backward(); opt.step()``, losses read once at
   the end (DDP averages the per-rank mean losses: with equal batch sizes, the
-  same gradient as lamploop's mean over all examples);
+  same gradient as lamploop's mean over all examples), DDP's defaults;
+* the same loop on DDP tuned as a user would tune it: ``ddp bucket_view``
+  (``gradient_as_bucket_view=True``), ``ddp bucket_view+static`` (and
+  ``static_graph=True``: valid here, every parameter is used at every step) and ``ddp
+  bucket_view+static, grads kept`` (the same with ``opt.zero_grad(set_to_none=False)``, so
+  the gradients stay views into DDP's buckets from step to step; with ``set_to_none=True``
+  autograd allocates fresh gradients that DDP copies into its buckets).  The report
+  compares lamploop with DDP's defaults and with the fastest DDP variant of the run
+  (lowest median wall time), named in the output;
 * ``lamploop all_reduce``: ``await lamploop.one_epoch(model=SupervisedModel(module),
   batches=<async stream over the same list>, channel=channel, step_optimizer=...)``
   where ``step_optimizer`` calls ``opt.step()`` and notes the time;
@@ -126,15 +135,19 @@ BREAKDOWN_FIRST_CAP_MB = 8.1
 constant, patched in the worker only), which gives DDP's layout for this MLP."""
 
 DDP = "ddp"
-DDP_TUNED = "ddp bucket_view"
+DDP_VIEW = "ddp bucket_view"
+DDP_STATIC = "ddp bucket_view+static"
+DDP_KEPT = "ddp bucket_view+static, grads kept"
 ALL_REDUCE = "lamploop all_reduce"
 REDUCE_TO_ROOT = "lamploop reduce_to_root"
 LOCAL_1 = "local 1 process"
 LOCAL_2 = "local 2 processes"
-CONTENDERS = (DDP, DDP_TUNED, ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_1, LOCAL_2)
-GROUPS = ((DDP, DDP_TUNED, ALL_REDUCE, REDUCE_TO_ROOT), (LOCAL_1, LOCAL_2))
+CONTENDERS = (DDP, DDP_VIEW, DDP_STATIC, DDP_KEPT, ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_1, LOCAL_2)
+GROUPS = ((DDP, DDP_VIEW, DDP_STATIC, DDP_KEPT, ALL_REDUCE, REDUCE_TO_ROOT), (LOCAL_1, LOCAL_2))
 """A round runs the groups in turn, each in an order rotated by the round number, so the
 contenders compared with DDP always run right next to it."""
+DDP_VARIANTS = (DDP, DDP_VIEW, DDP_STATIC, DDP_KEPT)
+"""Every DDP contender: the defaults, then the tuned ones (the best of all is found per run)."""
 DIRECT_OF = {"all_reduce": ALL_REDUCE, "reduce_to_root": REDUCE_TO_ROOT}
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -170,7 +183,12 @@ def make_optimizer(parameters: Any) -> torch.optim.Optimizer:
 
 
 def hand_epoch(
-    module: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, marks: list[float]
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Batches,
+    marks: list[float],
+    *,
+    set_to_none: bool = True,
 ) -> float:
     """The idiomatic PyTorch epoch (``module`` may be a DDP wrapper); the local mean loss, read once.
 
@@ -179,7 +197,7 @@ def hand_epoch(
     module.train()
     losses = []
     for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss = F.cross_entropy(module(x), y)
         loss.backward()
         optimizer.step()
@@ -263,31 +281,30 @@ class Worker:
             world_size=WORLD_SIZE,
             timeout=TIMEOUT,
         )
-        module = copy.deepcopy(self.base)
-        ddp = self.ddp = DistributedDataParallel(module)
-        optimizer = make_optimizer(ddp.parameters())
-
-        async def run(batches: Batches, marks: list[float]) -> float:
-            return hand_epoch(ddp, optimizer, batches, marks)
-
-        self.modules[DDP] = module
-        self.runners[DDP] = run
-        # The baseline a user would tune: gradients are views into DDP's buckets (no copies).
-        tuned_module = copy.deepcopy(self.base)
-        tuned = DistributedDataParallel(
-            tuned_module, process_group=dist.new_group(backend="gloo"), gradient_as_bucket_view=True
-        )
-        tuned_optimizer = make_optimizer(tuned.parameters())
-
-        async def run_tuned(batches: Batches, marks: list[float]) -> float:
-            return hand_epoch(tuned, tuned_optimizer, batches, marks)
-
-        self.modules[DDP_TUNED] = tuned_module
-        self.runners[DDP_TUNED] = run_tuned
+        self.ddp = self.add_ddp(DDP)
+        # The baselines a user would tune: gradients as views into DDP's buckets (no copy back),
+        # a static graph, and gradients that stay those views from step to step.
+        self.add_ddp(DDP_VIEW, gradient_as_bucket_view=True)
+        self.add_ddp(DDP_STATIC, gradient_as_bucket_view=True, static_graph=True)
+        self.add_ddp(DDP_KEPT, set_to_none=False, gradient_as_bucket_view=True, static_graph=True)
         self.add_lamploop(ALL_REDUCE, "all_reduce")
         self.add_lamploop(REDUCE_TO_ROOT, "reduce_to_root")
         self.add_local(LOCAL_1, alone=True)
         self.add_local(LOCAL_2, alone=False)
+
+    def add_ddp(self, name: str, *, set_to_none: bool = True, **options: Any) -> DistributedDataParallel:
+        """A DDP contender: DDP's defaults on the default group, else ``options`` on a group of its own."""
+        module = copy.deepcopy(self.base)
+        group = dist.new_group(backend="gloo") if options else None
+        ddp = DistributedDataParallel(module, process_group=group, **options)
+        optimizer = make_optimizer(ddp.parameters())
+
+        async def run(batches: Batches, marks: list[float]) -> float:
+            return hand_epoch(ddp, optimizer, batches, marks, set_to_none=set_to_none)
+
+        self.modules[name] = module
+        self.runners[name] = run
+        return ddp
 
     def add_lamploop(
         self,
@@ -541,7 +558,7 @@ class Worker:
         parameters = self.describe()
         records = await self.run_rounds(GROUPS, self.rounds)
         check = self.parameter_check(
-            [ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_2, *([LOCAL_1] if self.rank == 0 else [])]
+            [*DDP_VARIANTS[1:], ALL_REDUCE, REDUCE_TO_ROOT, LOCAL_2, *([LOCAL_1] if self.rank == 0 else [])]
         )
         layout = self.layout()
         drive = []
@@ -842,11 +859,21 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
                     p.wait()
 
 
+def best_ddp(records: list[dict[str, Any]], contenders: Sequence[str]) -> str | None:
+    """The DDP variant of the run with the lowest median wall time (the baseline a user would pick)."""
+    variants = [name for name in DDP_VARIANTS if name in contenders]
+    if not variants:
+        return None
+    walls = {v: statistics.median(r["wall_s"] for r in records if r["contender"] == v) for v in variants}
+    return min(variants, key=walls.__getitem__)
+
+
 def per_contender(records: list[dict[str, Any]], steps: int, contenders: Sequence[str]) -> dict[str, Any]:
-    """Per-step summaries of each contender, and its per-round ratios to DDP."""
+    """Per-step summaries of each contender, and its per-round ratios to DDP and to the best DDP."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for rec in records:
         by_round.setdefault(rec["round"], {})[rec["contender"]] = rec
+    best = best_ddp(records, contenders)
     out: dict[str, Any] = {}
     for name in contenders:
         mine = [rounds[name] for rounds in by_round.values()]
@@ -864,12 +891,13 @@ def per_contender(records: list[dict[str, Any]], steps: int, contenders: Sequenc
                 [r["steady_step_s"] / d["steady_step_s"] for r, d in pairs]
             )
             entry["ratio_cpu_over_ddp"] = summarize([sum(r["cpu_s"]) / sum(d["cpu_s"]) for r, d in pairs])
-        if name not in (DDP, DDP_TUNED):
-            tuned = [rounds[DDP_TUNED] for rounds in by_round.values()]
+        if best is not None and name != best:
+            tuned = [rounds[best] for rounds in by_round.values()]
             pairs = list(zip(mine, tuned, strict=True))
-            entry["ratio_wall_over_ddp_tuned"] = summarize([r["wall_s"] / d["wall_s"] for r, d in pairs])
+            entry["best_ddp"] = best
+            entry["ratio_wall_over_ddp_best"] = summarize([r["wall_s"] / d["wall_s"] for r, d in pairs])
             cpu = [sum(r["cpu_s"]) / sum(d["cpu_s"]) for r, d in pairs]
-            entry["ratio_cpu_over_ddp_tuned"] = summarize(cpu)
+            entry["ratio_cpu_over_ddp_best"] = summarize(cpu)
         out[name] = entry
     return out
 
@@ -899,9 +927,9 @@ def contender_table(summary: dict[str, Any], layout: dict[str, Any], check: dict
     headers = [
         "contender",
         "wall ms/step med [min-max]",
-        "/ DDP med [min-max]",
-        "/ tuned DDP med [min-max]",
-        "CPU / tuned DDP",
+        "/ DDP defaults med [min-max]",
+        "/ best DDP med [min-max]",
+        "CPU / best DDP",
         "steady ms/step",
         "CPU ms/step/rank",
         "colls/step",
@@ -918,8 +946,8 @@ def contender_table(summary: dict[str, Any], layout: dict[str, Any], check: dict
                 name,
                 spread(s["wall_per_step_s"], ms),
                 spread(s["ratio_wall_over_ddp"], lambda v: f"{v:.3f}") if name != DDP else "1",
-                _ratio_or_dash(s, "ratio_wall_over_ddp_tuned"),
-                _ratio_or_dash(s, "ratio_cpu_over_ddp_tuned"),
+                _ratio_or_dash(s, "ratio_wall_over_ddp_best"),
+                _ratio_or_dash(s, "ratio_cpu_over_ddp_best"),
                 ms(s["steady_step_s"]["median"]),
                 ms(s["cpu_per_step_per_rank_s"]["median"]),
                 str(layout.get(name, {}).get("collectives_per_step", 0)),
@@ -934,6 +962,15 @@ def contender_table(summary: dict[str, Any], layout: dict[str, Any], check: dict
         extra = entry.get("parameter_broadcast_buckets_bytes")
         more = f"; parameter broadcasts {', '.join(f'{b / mib:.2f}' for b in extra)}" if extra else ""
         print(f"  {name}: gradient buckets in launch order {text} MiB{more}")
+
+
+def verdict_of(ratio: dict[str, float]) -> str:
+    """How a ratio lamploop / peer reads: faster or slower only when every round agrees."""
+    if ratio["max"] < 1.0:
+        return "lamploop faster in every round"
+    if ratio["min"] > 1.0:
+        return "lamploop slower in every round"
+    return "no clear winner: the rounds disagree"
 
 
 def report(result: dict[str, Any], total: float) -> dict[str, Any]:
@@ -982,21 +1019,31 @@ def report(result: dict[str, Any], total: float) -> dict[str, Any]:
     )
     all_reduce = summary[ALL_REDUCE]["ratio_wall_over_ddp"]
     met = all_reduce["median"] <= TARGET_RATIO
+    best = summary[ALL_REDUCE].get("best_ddp", DDP)
+    against_best = summary[ALL_REDUCE].get("ratio_wall_over_ddp_best", all_reduce)
     print(
         f"\n{result['parameters']:,} parameters; {steps} steps of {BATCH_SIZE} examples per rank per epoch; "
         f"{result['rounds_count']} rounds after a {result['warmup_steps']}-step warm-up.\n"
         "wall = rank 0's barrier-to-barrier epoch time / steps; steady = median step-to-step interval;\n"
-        "ratios = medians over rounds of contender / DDP in the same round; CPU = process time per rank.\n"
+        "ratios = median [min-max] over rounds of contender / DDP in the same round; CPU = process time "
+        "per rank;\nbest DDP = the DDP variant with the lowest median wall time in this run: "
+        f"{best!r}.\n"
         "drive/follow: between epochs = last optimizer step to the next epoch's request for batches;\n"
         "drive / direct = per epoch, steady step of a drive epoch over that of the direct epoch before it.\n"
         f"Target lamploop all_reduce / DDP <= {TARGET_RATIO:.2f}: {all_reduce['median']:.3f} -> "
-        f"{'met' if met else 'NOT met'}.  Load average at the end {load_text(result)} "
+        f"{'met' if met else 'NOT met'}; against the best DDP ({best}): {against_best['median']:.3f} "
+        f"[{against_best['min']:.3f}-{against_best['max']:.3f}] "
+        f"({verdict_of(against_best)})."
+        f"\nLoad average at the end {load_text(result)} "
         f"on {os.cpu_count()} CPUs.  Total {total:.1f} s."
     )
     return {
         "target_ratio": TARGET_RATIO,
         "ratio_all_reduce_over_ddp": all_reduce,
         "ratio_reduce_to_root_over_ddp": summary[REDUCE_TO_ROOT]["ratio_wall_over_ddp"],
+        "best_ddp": best,
+        "ratio_all_reduce_over_best_ddp": against_best,
+        "ratio_reduce_to_root_over_best_ddp": summary[REDUCE_TO_ROOT].get("ratio_wall_over_ddp_best"),
         "target_met": met,
         "contenders": summary,
         "drive_follow": drive_summary,
@@ -1062,6 +1109,11 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds": result["rounds_count"],
                     "warmup_steps": result["warmup_steps"],
                     "ddp": "DistributedDataParallel defaults (bucket_cap_mb=25); zero_grad(set_to_none=True)",
+                    "ddp_tuned": {
+                        DDP_VIEW: "gradient_as_bucket_view=True; zero_grad(set_to_none=True)",
+                        DDP_STATIC: "... and static_graph=True; zero_grad(set_to_none=True)",
+                        DDP_KEPT: "... and static_graph=True; zero_grad(set_to_none=False)",
+                    },
                     "lamploop": "ProcessGroupChannel(bucket_cap_mb=25) + one_epoch",
                     "threads_per_worker": 1,
                     "timer": "time.perf_counter on rank 0 between barriers, inside the event loop",

@@ -13,7 +13,8 @@ control port, from the moment it listens:
 3. 300 connections that say nothing, held open until the run ends;
 4. 100 new connections a second (garbage, then closed) until the run ends.
 
-Reported, for each of ``--pairs`` pairs of runs (undisturbed, then flooded): the root
+Reported, for each of ``--pairs`` pairs of runs (undisturbed and flooded, the order
+alternating from pair to pair: undisturbed first in pairs 0, 2, ...): the root
 process's CPU time (``/proc/<pid>/stat``, user + system) in each run, the extra share the
 flood cost and that extra divided by the strangers sent, the run's wall time, how many
 strangers were sent, and whether the disturbed run's final parameters equal the undisturbed run's bit for bit.
@@ -198,8 +199,12 @@ def main() -> None:
     base = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-hostile-{os.getpid()}"
     rows, extras, results, same = [], [], [], True
     for i in range(pairs):
-        quiet = _run(base / f"quiet{i}", epochs, flood=False)
-        flooded = _run(base / f"flooded{i}", epochs, flood=True)
+        if i % 2 == 0:
+            quiet = _run(base / f"quiet{i}", epochs, flood=False)
+            flooded = _run(base / f"flooded{i}", epochs, flood=True)
+        else:
+            flooded = _run(base / f"flooded{i}", epochs, flood=True)
+            quiet = _run(base / f"quiet{i}", epochs, flood=False)
         same = same and all(torch.equal(flooded["params"][k], v) for k, v in quiet["params"].items())
         extra = flooded["root_cpu_s"] / quiet["root_cpu_s"] - 1.0
         extras.append(extra)

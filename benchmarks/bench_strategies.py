@@ -451,12 +451,13 @@ def report(phase: str, result: dict[str, Any], accuracy: dict[str, float], skip:
                 name,
                 f"{sent / 2**20:.2f}",
                 fmt_spread(ms),
-                fmt_spread(speed, 2),
+                f"{fmt_spread(speed, 2)} ({speed['min']:.2f}-{speed['max']:.2f})",
                 f"{100 * accuracy[name]:.1f}",
                 check,
             ]
         )
-    print_table(["strategy", "MiB/step", "ms/step [IQR]", "x all_reduce [IQR]", "val acc %", "target"], table)
+    headers = ["strategy", "MiB/step", "ms/step [IQR]", "x all_reduce [IQR] (min-max)", "val acc %", "target"]
+    print_table(headers, table)
     return rows
 
 

@@ -24,6 +24,7 @@ from lamploop.distributed import (
 )
 from lamploop.fit import fit, fit_async
 from lamploop.loop import ALL_EPOCHS, epochs, one_epoch
+from lamploop.lr_find import LrFindResult, lr_find, lr_find_async
 from lamploop.metrics import PassResult, accuracy
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss, summed
 from lamploop.modelspec import ModelSpec, model_spec
@@ -41,6 +42,7 @@ from lamploop.schedules import (
 from lamploop.settings import TrainingSettings
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import warmup_cosine, warmup_linear
+from lamploop.summary import ModelSummary, summarize
 from lamploop.sync import register_strategy, strategy_names
 
 __version__ = "0.3.0.dev0"
@@ -57,6 +59,8 @@ __all__ = [
     "LoggingReporter",
     "LoopState",
     "LoopStateWithModelAndOptimizerData",
+    "LrFindResult",
+    "ModelSummary",
     "ModelSpec",
     "PassResult",
     "Reporter",
@@ -84,6 +88,8 @@ __all__ = [
     "load_checkpoint",
     "local_control",
     "local_data_parallel_training_loop",
+    "lr_find",
+    "lr_find_async",
     "metrics",
     "model_spec",
     "mse_loss",
@@ -96,6 +102,7 @@ __all__ = [
     "step_after",
     "step_schedules",
     "strategy_names",
+    "summarize",
     "summed",
     "swa",
     "tensor_batches",

@@ -7,6 +7,9 @@ Subcommands::
     lamploop demo --resume DIR [--epochs N]      resume with DIR/config.json's settings
     lamploop inspect CKPT                        a checkpoint's state, learning curve and files
     lamploop plot CKPT -o curve.png [--title T]  the learning curve as a PNG (needs matplotlib)
+    lamploop lr-find [--min-lr LR] [--max-lr LR] [--num-steps N] [--optimizer adam|sgd]
+                     [--batch-size N] [--seed N] [--hidden-sizes N,N...] [-o plot.png]
+                                                 the learning-rate range test on the demo's model
     lamploop federated approve PLAN.json --allow-list FILE
                                                  add a training plan's hash to a node's allow-list
 
@@ -17,7 +20,8 @@ flag that disagrees with them is refused, naming it (``--epochs`` may change).
 Exit statuses: 0 done; 1 training failed (one line on stderr says why: a lost rank, a bad
 batch, a corrupt checkpoint, a flag that disagrees with the saved configuration...), or
 ``inspect`` found something wrong (the report on stdout, one line per bad file on stderr),
-or ``plot`` could not read the checkpoint or has no matplotlib; 2 bad command-line
+or ``plot`` could not read the checkpoint or has no matplotlib, or ``lr-find`` has no
+suggestion (the loss diverged too soon) or no matplotlib for ``-o``; 2 bad command-line
 arguments; 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after the step in progress
 and a checkpoint there (run the same command again to resume at that step; a second
 signal stops at once).
@@ -111,8 +115,43 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
     plot.add_argument("--title", help="the figure's title (default: the checkpoint's path)")
     plot.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _lr_find_parser(commands)
     _federated_parser(commands)
     return parser
+
+
+def _lr_find_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    lr_find = commands.add_parser(
+        "lr-find",
+        help="the learning-rate range test on the demo's model and data; suggests a learning rate",
+        description="Train a copy of the demo's MLP on scikit-learn's digits with a learning rate that grows "
+        "exponentially from --min-lr to --max-lr, stopping when the loss diverges, and print the suggested "
+        "learning rate (the rate at the lowest smoothed loss / 10). -o draws the losses (needs matplotlib).",
+    )
+    lr_find.add_argument("--min-lr", type=float, default=1e-7, help="the first step's rate (default: 1e-7)")
+    lr_find.add_argument("--max-lr", type=float, default=10.0, help="the last step's rate (default: 10)")
+    lr_find.add_argument("--num-steps", type=int, default=100, help="optimizer steps at most (default: 100)")
+    lr_find.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="Adam, as the demo trains with, or plain SGD (default: adam)",
+    )
+    lr_find.add_argument("--batch-size", type=int, default=32, help="examples per batch (default: 32)")
+    lr_find.add_argument(
+        "--seed", type=int, default=0, help="seed of the split, weights and shuffling (default: 0)"
+    )
+    lr_find.add_argument(
+        "--hidden-sizes",
+        type=_hidden_sizes,
+        default=(128, 64),
+        metavar="N,N",
+        help="widths of the hidden layers (default: 128,64)",
+    )
+    lr_find.add_argument(
+        "-o", "--output", type=Path, help="also draw the losses into this PNG (needs matplotlib)"
+    )
+    lr_find.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
 
 
 def _federated_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -180,6 +219,60 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+def _lr_find(args: argparse.Namespace) -> int:
+    import torch
+
+    from lamploop.batches import tensor_batches
+    from lamploop.demo import digits_data, digits_model
+    from lamploop.lr_find import lr_find
+    from lamploop.model import SupervisedModel
+
+    if args.batch_size < 1:
+        msg = f"--batch-size must be >= 1, got {args.batch_size}"
+        raise ConfigurationError(msg)
+    optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    make = optimizers[args.optimizer]
+    x_train, y_train, _, _ = digits_data(args.seed)
+    result = lr_find(
+        model=SupervisedModel(digits_model(args.seed, args.hidden_sizes)),
+        optimizer_factory=lambda params: make(params, lr=args.min_lr),
+        train_batches=tensor_batches(x_train, y_train, batch_size=args.batch_size, seed=args.seed),
+        min_lr=args.min_lr,
+        max_lr=args.max_lr,
+        num_steps=args.num_steps,
+    )
+    took = f"{len(result.lrs)} steps from {result.lrs[0]:.3g} to {result.lrs[-1]:.3g}"
+    how = "stopped there: the loss diverged" if result.diverged else "the whole range"
+    print(
+        f"learning-rate range test ({args.optimizer}, batch size {args.batch_size}): {took}, {how}",
+        flush=True,
+    )
+    if result.suggestion is not None:
+        print(
+            f"suggested learning rate: {result.suggestion:.3g} "
+            f"(the lowest smoothed loss was at {result.suggestion * 10:.3g}; a tenth of that)",
+            flush=True,
+        )
+        if args.optimizer == "adam":  # the demo's optimizer: its flags for the same model and data
+            flags = f"--learning-rate {result.suggestion:.3g}"
+            flags += f" --batch-size {args.batch_size}" if args.batch_size != 32 else ""
+            flags += f" --seed {args.seed}" if args.seed != 0 else ""
+            if tuple(args.hidden_sizes) != (128, 64):
+                flags += f" --hidden-sizes {','.join(map(str, args.hidden_sizes))}"
+            print(f"try: lamploop demo {flags}", flush=True)
+    if args.output is not None:
+        print(f"wrote {result.plot(args.output)}", flush=True)
+    if result.suggestion is None:
+        print(
+            "lamploop: no suggestion: too few steps before the loss diverged "
+            "(lower --min-lr or raise --num-steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def _plot(args: argparse.Namespace) -> int:
     from lamploop.plotting import plot_learning_curve
 
@@ -194,7 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    commands = {"demo": _demo, "inspect": _inspect, "plot": _plot, "federated": _federated}
+    commands = {
+        "demo": _demo,
+        "inspect": _inspect,
+        "plot": _plot,
+        "lr-find": _lr_find,
+        "federated": _federated,
+    }
     try:
         return commands[args.command](args)
     except TrainingInterrupted as exc:

@@ -2,15 +2,18 @@
 
 :func:`~lamploop.checkpoint.verify_checkpoint` finds every problem of a checkpoint, or of
 every checkpoint of a run directory (``inspect_checkpoint`` is the same function);
-:func:`format_report` turns its result into text: a header, the learning curve as a table
-(the best epoch marked ``*``), and the files.
+:func:`format_report` turns its result into text: a header, the model's tensors per top-level
+module (:func:`model_tensor_summary`), the learning curve as a table (the best epoch marked
+``*``), and the files.
 """
 
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 from lamploop.checkpoint.format import DESCRIPTOR_NAME, LATEST_NAME
+from lamploop.checkpoint.load import read_descriptor
 from lamploop.checkpoint.verify import (
     CheckpointReport,
     CheckpointSummary,
@@ -18,7 +21,9 @@ from lamploop.checkpoint.verify import (
     read_loop_state,
     verify_checkpoint,
 )
+from lamploop.errors import CheckpointError
 from lamploop.state import LoopState
+from lamploop.summary import TensorSummary, summarize_tensors
 
 __all__ = [
     "CheckpointReport",
@@ -26,11 +31,26 @@ __all__ = [
     "FileCheck",
     "format_report",
     "inspect_checkpoint",
+    "model_tensor_summary",
     "read_loop_state",
 ]
 
 inspect_checkpoint = verify_checkpoint
 """What ``lamploop inspect`` checks: :func:`~lamploop.checkpoint.verify_checkpoint`."""
+
+
+def model_tensor_summary(checkpoint: Path) -> TensorSummary | None:
+    """The model's tensors in the checkpoint directory ``checkpoint``, per top-level module.
+
+    Read from the descriptor's record of ``model.safetensors`` (names, shapes and dtypes: no
+    tensor file is read); parameters and buffers alike, as the checkpoint does not tell them
+    apart.  ``None`` when the descriptor is unreadable.
+    """
+    try:
+        descriptor = read_descriptor(checkpoint / DESCRIPTOR_NAME)
+    except CheckpointError:
+        return None
+    return summarize_tensors(descriptor.model_spec.tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,7 +135,7 @@ def _file_line(f: FileCheck, name_width: int) -> str:
 
 
 def format_report(report: CheckpointReport) -> str:
-    """The report as text: a header, the learning curve (best epoch marked ``*``), the files."""
+    """The report as text: a header, the model's tensors, the learning curve (best epoch ``*``), the files."""
     lines = [f"checkpoint   {report.path}"]
     if report.run_directory is not None:
         count = len(report.checkpoints)
@@ -151,6 +171,14 @@ def format_report(report: CheckpointReport) -> str:
                 f"best epoch   {state.min_validation_epoch} ({kind} {_number(state.min_validation_loss)})"
             )
         lines.append("")
+        model = model_tensor_summary(report.path)
+        if model is not None:
+            lines.append(
+                f"model        {model.elements:,} values in {model.tensors:,} tensors "
+                f"(parameters and buffers), {model.size_mb:.3f} MB"
+            )
+            lines += model.lines()
+            lines.append("")
         if state.learning_curve:
             lines.append("learning curve (* marks the best epoch):")
             lines += _curve_table(state)

@@ -225,7 +225,12 @@ def test_two_ranks_report_to_prometheus_tensorboard_and_csv_while_training(tmp_p
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
     train_loss = [(s.step, s.value) for s in board.Scalars("train/loss")]
-    assert train_loss == [(e["epoch"], pytest.approx(e["training_loss"], rel=1e-6)) for e in finished]
+    # On the global step (12 steps an epoch), the epoch a scalar of its own.
+    assert train_loss == [
+        (12 * (e["epoch"] + 1), pytest.approx(e["training_loss"], rel=1e-6)) for e in finished
+    ]
+    epoch_at = {s.step: s.value for s in board.Scalars("epoch")}
+    assert all(epoch_at[12 * (e["epoch"] + 1)] == e["epoch"] for e in finished)
     factors = [s.value for s in board.Scalars("schedule/learning_rate_factor")]
     assert factors == pytest.approx([e["learning_rate_factor"] for e in finished])
     assert len(board.Scalars("perf/examples_per_second")) == len(samples)
@@ -256,8 +261,9 @@ def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path)
     )
     lines = done.stderr.splitlines()
     assert lines[0] == "lamploop: training on 1 rank(s) from epoch 0 to 2"
-    assert lines[1].startswith("lamploop: epoch 0: train loss ")
-    assert lines[2].startswith("lamploop: epoch 1: train loss ")
-    assert lines[3] == "lamploop: finished after epoch 1"
-    assert len(lines) == 4
+    assert lines[1] == "lamploop: model: Linear, 10 parameters (10 trainable, 0 non-trainable), 0.000 MB"
+    assert lines[2].startswith("lamploop: epoch 0: train loss ")
+    assert lines[3].startswith("lamploop: epoch 1: train loss ")
+    assert lines[4] == "lamploop: finished after epoch 1"
+    assert len(lines) == 5
     assert done.stdout == ""

@@ -26,6 +26,7 @@ from lamploop.reporting import (
     EpochStarted,
     Event,
     MetricsFileReporter,
+    MlflowReporter,
     PeerJoined,
     PeerLost,
     ProgressReporter,
@@ -37,8 +38,10 @@ from lamploop.reporting import (
     RunStopped,
     TensorBoardReporter,
     ValidationFinished,
+    WandbReporter,
     report_all,
 )
+from lamploop.reporting.global_step import GlobalStep
 from lamploop.state import LearningCurveEntry, LoopState
 
 T0 = 1_700_000_000.0  # the events' wall clock
@@ -239,19 +242,39 @@ def test_tensorboard_scalars_read_back(tmp_path: Path) -> None:
     def scalars(tag: str) -> list[tuple[int, object]]:
         return [(s.step, pytest.approx(s.value)) for s in accumulator.Scalars(tag)]
 
+    # One x axis, the global step: the samples' total_steps, an epoch's last step (40: the
+    # 10 steps after the last sample of epoch 0; 75 = 40 + 35), a checkpoint's step boundary.
+    assert scalars("epoch") == [(1, 0), (30, 0), (40, 0), (41, 1), (60, 1), (75, 1)]
     assert scalars("train/loss_sampled") == [(1, 2.0), (30, 0.9), (41, 0.6), (60, 0.55)]
     assert scalars("perf/examples_per_second") == [(1, 256.0), (30, 256.0), (41, 256.0), (60, 256.0)]
     assert scalars("perf/step_seconds")[1] == (30, 0.25)
     assert scalars("perf/communication_seconds")[3] == (60, 0.05)
-    assert scalars("train/loss") == [(0, 0.75), (1, 0.5)]
-    assert scalars("validation/loss") == [(0, 0.65)]
-    assert scalars("validation/loss_smoothed") == [(0, 0.7)]
-    assert scalars("train/accuracy") == [(0, 0.5), (1, 0.7)]
-    assert scalars("validation/accuracy") == [(0, 0.6)]
-    assert scalars("schedule/learning_rate_factor") == [(0, 1.0), (1, 0.5)]
-    assert scalars("perf/epoch_seconds") == [(0, 10.0), (1, 8.0)]
-    assert scalars("checkpoint/seconds") == [(30, 0.5), (30, 0.25)]
+    assert scalars("train/loss") == [(40, 0.75), (75, 0.5)]
+    assert scalars("validation/loss") == [(40, 0.65)]
+    assert scalars("validation/loss_smoothed") == [(40, 0.7)]
+    assert scalars("train/accuracy") == [(40, 0.5), (75, 0.7)]
+    assert scalars("validation/accuracy") == [(40, 0.6)]
+    assert scalars("validation/accuracy_smoothed") == [(40, 0.55)]
+    assert scalars("schedule/learning_rate_factor") == [(40, 1.0), (75, 0.5)]
+    assert scalars("perf/epoch_seconds") == [(40, 10.0), (75, 8.0)]
+    assert scalars("checkpoint/seconds") == [(30, 0.5), (40, 0.25)]
     assert accumulator.Scalars("train/loss")[0].wall_time == pytest.approx(T0 + 11)
+
+
+def test_global_step_of_a_resumed_epoch_and_of_epochs_no_sample_saw() -> None:
+    steps = GlobalStep()
+    # A process resumed inside epoch 2, after its step 10: it counts the steps it trains.
+    assert steps.see(RunStarted(nranks=1, epoch=2, max_epochs=4)) == 0
+    assert steps.see(EpochStarted(epoch=2, learning_rate_factor=1.0, steps_done=10, examples_done=640)) == 0
+    assert steps.see(sample(2, 11, 704, total_steps=1, total_examples=64, steps=1, at=T0)) == 1
+    assert steps.see(CheckpointWritten(epoch=2, steps_done=15, time=T0)) == 5
+    finished = LoopState(epoch=3, learning_curve=[LearningCurveEntry(2, 0.5)])
+    assert steps.see(EpochFinished(finished, steps=25, examples=1600, time=T0)) == 15
+    assert steps.see(CheckpointWritten(epoch=3, steps_done=0, time=T0)) == 15
+    # An epoch without EpochStarted or samples (fed by hand): it goes on from the last step.
+    finished = LoopState(epoch=4, learning_curve=[LearningCurveEntry(3, 0.5)])
+    assert steps.see(EpochFinished(finished, steps=25, examples=1600, time=T0)) == 40
+    assert steps.see(RunFinished(finished, time=T0)) == 40
 
 
 # -- PrometheusReporter -----------------------------------------------------------------------
@@ -325,6 +348,46 @@ def test_prometheus_counts_exactly_and_frees_its_port() -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", reporter.port))
         s.listen()
+
+
+COUNTERS = {f"lamploop_{name}_total" for name in ("steps", "examples", "epochs", "checkpoints")}
+
+
+def test_prometheus_gauges_are_absent_until_first_measured() -> None:
+    """A gauge no event has measured yet is not in the scrape at all (not a made-up 0)."""
+    reporter = PrometheusReporter(port=0)
+
+    def shown() -> set[str]:
+        return {name for name in scrape(reporter) if not name.endswith("_created")}
+
+    try:
+        reporter.start()
+        assert shown() == COUNTERS  # counters count from 0: they are there
+        reporter.report(RunStarted(nranks=1, epoch=0, max_epochs=2, time=T0))
+        run = {"lamploop_ranks", "lamploop_peers_alive", "lamploop_epoch", "lamploop_run_state"}
+        run |= {"lamploop_seconds_since_checkpoint"}
+        assert shown() == COUNTERS | run
+        reporter.report(EpochStarted(epoch=0, learning_rate_factor=1.0, time=T0))
+        run |= {"lamploop_learning_rate_factor"}
+        assert shown() == COUNTERS | run
+        # A sample before any step finished: a speed, but no loss and no step time yet.
+        reporter.report(sample(0, 0, 0, total_steps=0, total_examples=0, steps=0, at=T0, loss=None))
+        run |= {"lamploop_examples_per_second"}
+        assert shown() == COUNTERS | run
+        reporter.report(sample(0, 5, 320, total_steps=5, total_examples=320, steps=5, at=T0 + 1))
+        run |= {"lamploop_loss", "lamploop_step_seconds", "lamploop_communication_seconds"}
+        assert shown() == COUNTERS | run
+        # No validation yet: an epoch's end brings its loss and time, and the train metric.
+        state = LoopState(epoch=1, learning_curve=[ENTRY_1])
+        reporter.report(EpochFinished(state, seconds=8.0, steps=5, examples=320, time=T0 + 2))
+        run |= {"lamploop_epoch_training_loss", "lamploop_epoch_seconds"}
+        assert shown() == COUNTERS | run | {"lamploop_metric{name=accuracy,split=train}"}
+        seen = scrape(reporter)
+        assert "lamploop_validation_loss" not in seen
+        assert "lamploop_checkpoint_seconds" not in seen
+        assert seen["lamploop_loss"] == 0.8
+    finally:
+        reporter.close()
 
 
 def test_prometheus_rejects_a_bad_port() -> None:
@@ -468,6 +531,8 @@ def test_metrics_file_format(tmp_path: Path) -> None:
         ("rich", lambda _: ProgressReporter(io.StringIO()), "progress"),
         ("tensorboard", lambda tmp: TensorBoardReporter(tmp), "tensorboard"),
         ("prometheus_client", lambda _: PrometheusReporter(), "prometheus"),
+        ("mlflow", lambda _: MlflowReporter(), "mlflow"),
+        ("wandb", lambda tmp: WandbReporter(dir=tmp), "wandb"),
     ],
 )
 def test_a_missing_extra_says_what_to_install(
@@ -482,7 +547,8 @@ def test_a_missing_extra_says_what_to_install(
 def test_import_lamploop_needs_no_extra() -> None:
     code = (
         "import sys, lamploop, lamploop.reporting\n"
-        "print(sorted(m for m in ('rich', 'tensorboard', 'prometheus_client') if m in sys.modules))"
+        "extras = ('rich', 'tensorboard', 'prometheus_client', 'mlflow', 'wandb')\n"
+        "print(sorted(m for m in extras if m in sys.modules))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

@@ -34,6 +34,23 @@ def _screen(raw: bytes) -> list[str]:
     return [line.rstrip() for line in screen.display if line.strip()]
 
 
+DEMO_MODEL = "model: Sequential, 17,226 parameters (17,226 trainable, 0 non-trainable), 0.069 MB"
+
+
+def _without_summary(lines: list[str]) -> list[str]:
+    """``lines`` less the model summary printed below the first one: a heading and a row per module."""
+    assert lines[1] == DEMO_MODEL, lines[:3]
+    assert lines[2].split() == ["name", "type", "parameters", "trainable"]
+    assert [row.split()[:2] for row in lines[3:8]] == [
+        ["0", "Linear"],
+        ["1", "ReLU"],
+        ["2", "Linear"],
+        ["3", "ReLU"],
+        ["4", "Linear"],
+    ]
+    return [lines[0], *lines[8:]]
+
+
 class Terminal:
     """A command on a fresh pty; :meth:`read_until` collects its output with a deadline."""
 
@@ -87,7 +104,7 @@ def test_demo_on_a_terminal_shows_live_bars_and_keeps_one_line_per_epoch(tmp_pat
     assert b"\x1b[" in raw  # a live display: cursor movements and colours
     assert "━".encode() in raw  # rich's bar
     assert b"ex/s" in raw  # the sampled throughput in the steps bar
-    screen = _screen(raw)  # the bars are gone; the lines stay
+    screen = _without_summary(_screen(raw))  # the bars are gone; the lines stay
     assert screen[0] == "training on 2 rank(s) from epoch 0 to 3"
     assert [line.split(":")[0] for line in screen[1:4]] == ["epoch 0", "epoch 1", "epoch 2"]
     assert screen[4].startswith("finished after epoch 2 (")
@@ -104,7 +121,7 @@ def test_demo_in_a_pipe_prints_plain_lines(tmp_path: Path) -> None:
         check=True,
     )
     assert b"\x1b" not in done.stdout
-    lines = done.stdout.decode().splitlines()
+    lines = _without_summary(done.stdout.decode().splitlines())
     assert lines[0] == "training on 1 rank(s) from epoch 0 to 2"
     assert lines[1].startswith("epoch 0: train loss ")
     assert lines[2].startswith("epoch 1: train loss ")
@@ -126,7 +143,7 @@ def test_ctrl_c_on_a_terminal_says_one_line(tmp_path: Path) -> None:
         assert term.proc.wait(timeout=20) == EXIT_INTERRUPTED
     finally:
         term.close()
-    screen = _screen(term.output)
+    screen = _without_summary(_screen(term.output))
     assert screen[0] == "training on 2 rank(s) from epoch 0 to 500"
     epochs = screen[1:-1]
     assert len(epochs) >= 2

@@ -66,6 +66,7 @@ from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
+from lamploop.summary import summarize
 from lamploop.sync.collectives import AbortSignal
 from lamploop.sync.group_channel import ProcessGroupChannel
 from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
@@ -380,7 +381,8 @@ async def drive_distributed_training(
     check_root_arguments(nranks, control, init_position)
     emit = EventEmitter(reporters)
     start_epoch = init_state.loop_state.epoch if init_state is not None else 0
-    emit(RunStarted(nranks, start_epoch, settings.max_epochs))
+    summary = summarize(model.module) if emit else None  # once per run, when anyone listens
+    emit(RunStarted(nranks, start_epoch, settings.max_epochs, model_summary=summary))
     module = model.module
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.

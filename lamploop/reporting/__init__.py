@@ -8,7 +8,9 @@ epoch on the ``"lamploop"`` logger.  The other reporters, each in a module of it
   (needs ``lamploop[progress]``);
 * :class:`TensorBoardReporter`: TensorBoard scalars (needs ``lamploop[tensorboard]``);
 * :class:`PrometheusReporter`: Prometheus metrics over HTTP (needs ``lamploop[prometheus]``);
-* :class:`MetricsFileReporter`: one CSV or JSON-lines row per epoch.
+* :class:`MetricsFileReporter`: one CSV or JSON-lines row per epoch;
+* :class:`MlflowReporter`: an MLflow tracking run (needs ``lamploop[mlflow]``);
+* :class:`WandbReporter`: a Weights & Biases run, online or offline (needs ``lamploop[wandb]``).
 
 Their optional dependencies are imported when a reporter is made, never by
 ``import lamploop``; a missing one raises :class:`~lamploop.errors.MissingDependencyError`
@@ -33,10 +35,12 @@ from lamploop.reporting.events import (
 )
 from lamploop.reporting.logging_reporter import LoggingReporter
 from lamploop.reporting.metrics_file import MetricsFileReporter
+from lamploop.reporting.mlflow import MlflowReporter
 from lamploop.reporting.progress import ProgressReporter
 from lamploop.reporting.prometheus import PrometheusReporter
 from lamploop.reporting.reporter import Reporter, report_all
 from lamploop.reporting.tensorboard import TensorBoardReporter
+from lamploop.reporting.wandb import WandbReporter
 
 __all__ = [
     "CheckpointWritten",
@@ -45,6 +49,7 @@ __all__ = [
     "Event",
     "LoggingReporter",
     "MetricsFileReporter",
+    "MlflowReporter",
     "PeerJoined",
     "PeerLost",
     "ProgressReporter",
@@ -57,5 +62,6 @@ __all__ = [
     "RunStopped",
     "TensorBoardReporter",
     "ValidationFinished",
+    "WandbReporter",
     "report_all",
 ]

@@ -29,6 +29,7 @@ from typing import TypeAlias
 import attrs
 
 from lamploop.state import LoopState
+from lamploop.summary import ModelSummary
 
 __all__ = [
     "CheckpointWritten",
@@ -57,11 +58,17 @@ def _floats(value: Mapping[str, float]) -> dict[str, float]:
 
 @attrs.frozen
 class RunStarted:
-    """The run starts (or resumes) at ``epoch`` on ``nranks`` ranks; it ends at ``max_epochs`` at most."""
+    """The run starts (or resumes) at ``epoch`` on ``nranks`` ranks; it ends at ``max_epochs`` at most.
+
+    ``model_summary``: the model's parameters per top-level module and in all
+    (:func:`lamploop.summary.summarize`, computed once per run when anyone listens), or
+    ``None`` where the run's driver did not make one.
+    """
 
     nranks: int
     epoch: int
     max_epochs: int
+    model_summary: ModelSummary | None = attrs.field(default=None, kw_only=True)
     time: float = attrs.field(factory=_now, kw_only=True)
 
 

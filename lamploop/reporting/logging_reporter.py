@@ -80,6 +80,9 @@ def _describe(event: Event) -> tuple[int, str] | None:
 class LoggingReporter:
     """Logs a run's epochs, start and end at ``level`` (INFO by default) on ``logger``.
 
+    The start is followed by the model's summary (a record of its own: a heading, then a
+    table of the top-level modules; see :mod:`lamploop.summary`) when the run made one.
+
     Warnings (a lost rank) and errors (the run failed) keep their own levels; progress
     samples are not logged.
     """
@@ -95,7 +98,11 @@ class LoggingReporter:
         if described is None:
             return
         level, text = described
-        level = level or self.level
+        self._log(level or self.level, text)
+        if isinstance(event, RunStarted) and event.model_summary is not None:
+            self._log(self.level, str(event.model_summary))  # a record of its own: heading and table
+
+    def _log(self, level: int, text: str) -> None:
         if self.logger.hasHandlers():
             self.logger.log(level, "%s", text)
         elif level >= self.level and level > logging.DEBUG:

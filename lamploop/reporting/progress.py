@@ -104,7 +104,8 @@ class ProgressReporter:
             competes with training for the cores.  A number: rich redraws that often on a
             thread of its own (the time left then counts down between samples).
 
-    On a terminal: ``RunStarted`` prints a line and starts the display (an epochs bar and,
+    On a terminal: ``RunStarted`` prints a line (and the model's summary below it, when the
+    run made one: :mod:`lamploop.summary`) and starts the display (an epochs bar and,
     from ``EpochStarted``, a steps bar sized by ``expected_steps``, indeterminate when that
     is unknown); ``ProgressSampled`` moves the steps bar and shows its loss, examples per
     second and the time left; ``EpochFinished`` prints :func:`describe_epoch`'s line, the
@@ -232,6 +233,8 @@ class ProgressReporter:
         self._max_epochs, self._started_at = event.max_epochs, event.time
         self._epoch_seconds = []
         self._line(describe_run_started(event), event.time)
+        if event.model_summary is not None:  # a heading and a table of the top-level modules
+            self._line(str(event.model_summary), event.time)
         progress = self._display()
         if progress is not None and self._epochs_task is not None:
             progress.update(self._epochs_task, total=event.max_epochs, completed=event.epoch)

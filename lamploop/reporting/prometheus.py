@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lamploop.errors import ConfigurationError, MissingDependencyError
@@ -41,12 +42,44 @@ from lamploop.reporting.events import (
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, Gauge
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["RUN_STATES", "PrometheusReporter"]
 
 RUN_STATES = {"running": 0, "finished": 1, "stopped": 2, "failed": 3}
 """The values of the ``<namespace>_run_state`` gauge."""
+
+
+class _UntilSet:
+    """A gauge left out of the scrape until it is first set: never a made-up 0 before.
+
+    It takes its name in the registry at once, so a clash is found when the reporter is
+    made, not at the first event.
+    """
+
+    def __init__(self, gauge: Gauge, registry: CollectorRegistry) -> None:
+        self.gauge = gauge
+        self.measured = False
+        registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        return self.gauge.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        return self.gauge.collect() if self.measured else []
+
+    def set(self, value: float) -> None:
+        self.gauge.set(value)
+        self.measured = True
+
+    def inc(self, amount: float = 1) -> None:
+        self.gauge.inc(amount)
+        self.measured = True
+
+    def dec(self, amount: float = 1) -> None:
+        self.gauge.dec(amount)
+        self.measured = True
 
 
 class PrometheusReporter:
@@ -75,9 +108,12 @@ class PrometheusReporter:
     ``lamploop_checkpoint_seconds`` (the last write); ``lamploop_ranks`` (the run's) and
     ``lamploop_peers_alive`` (1 at ``RunStarted``, one more per ``PeerJoined``, one less per
     ``PeerLost``); ``lamploop_seconds_since_checkpoint`` (computed when scraped: since the
-    last checkpoint, else since ``RunStarted``, else since the reporter was made);
+    last checkpoint, else since ``RunStarted``);
     ``lamploop_run_state`` (see :data:`RUN_STATES`: 0 running, 1 finished, 2 stopped,
-    3 failed).
+    3 failed).  A gauge is left out of the scrape until the event that measures it first
+    comes (the loss until the first sample that saw a step, the validation loss until the
+    first validation...): a value never measured is absent, not 0.  The counters are
+    there from the start, at 0.
 
     A streamed run's ``IngestionSampled``, labelled by ``rank``: ``lamploop_ingest_samples``,
     ``lamploop_ingest_samples_per_second``, ``lamploop_ingest_bytes_per_second``,
@@ -115,7 +151,11 @@ class PrometheusReporter:
         def counter(name: str, documentation: str) -> Counter:
             return Counter(name, documentation, namespace=namespace, registry=self.registry)
 
-        def gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+        def gauge(name: str, documentation: str) -> _UntilSet:
+            return _UntilSet(Gauge(name, documentation, namespace=namespace, registry=None), self.registry)
+
+        def labelled(name: str, documentation: str, labels: tuple[str, ...]) -> Gauge:
+            # Exported without samples until a labelled child is set.
             return Gauge(name, documentation, labels, namespace=namespace, registry=self.registry)
 
         self.steps = counter("steps", "Optimizer steps trained.")
@@ -126,7 +166,7 @@ class PrometheusReporter:
         self.validation_loss = gauge("validation_loss", "The latest raw validation loss.")
         self.epoch_training_loss = gauge("epoch_training_loss", "The last finished epoch's training loss.")
         self.epoch_seconds = gauge("epoch_seconds", "The last finished epoch's wall-clock seconds.")
-        self.metric = gauge("metric", "The last finished epoch's metrics (raw).", ("split", "name"))
+        self.metric = labelled("metric", "The last finished epoch's metrics (raw).", ("split", "name"))
         self.step_seconds = gauge("step_seconds", "Mean seconds per step over the latest sample.")
         self.communication_seconds = gauge(
             "communication_seconds", "Mean seconds per step the root waited on collectives."
@@ -142,16 +182,16 @@ class PrometheusReporter:
         )
         self.run_state = gauge("run_state", "0 running, 1 finished, 2 stopped, 3 failed.")
         rank = ("rank",)
-        self.ingest_samples = gauge("ingest_samples", "Streamed samples received in all.", rank)
-        self.ingest_samples_per_second = gauge(
+        self.ingest_samples = labelled("ingest_samples", "Streamed samples received in all.", rank)
+        self.ingest_samples_per_second = labelled(
             "ingest_samples_per_second", "Streamed samples per second.", rank
         )
-        self.ingest_bytes_per_second = gauge("ingest_bytes_per_second", "Streamed bytes per second.", rank)
-        self.ingest_put_seconds = gauge("ingest_put_seconds", "Mean wait of a put into the buffer.", rank)
-        self.buffer_fill = gauge("buffer_fill", "Samples the stream buffer holds.", rank)
-        self.buffer_capacity = gauge("buffer_capacity", "The most samples the stream buffer holds.", rank)
-        self.buffer_reads = gauge("buffer_reads", "Reads from the stream buffer in all.", rank)
-        self.buffer_seen = gauge(
+        self.ingest_bytes_per_second = labelled("ingest_bytes_per_second", "Streamed bytes per second.", rank)
+        self.ingest_put_seconds = labelled("ingest_put_seconds", "Mean wait of a put into the buffer.", rank)
+        self.buffer_fill = labelled("buffer_fill", "Samples the stream buffer holds.", rank)
+        self.buffer_capacity = labelled("buffer_capacity", "The most samples the stream buffer holds.", rank)
+        self.buffer_reads = labelled("buffer_reads", "Reads from the stream buffer in all.", rank)
+        self.buffer_seen = labelled(
             "buffer_seen", "Resident samples by how many times they were read.", (*rank, "reads")
         )
 
@@ -161,7 +201,7 @@ class PrometheusReporter:
         self.port: int | None = None
         """The port the server listens on, once started (the one picked when ``port`` was 0)."""
         self._since = time.monotonic()  # the last checkpoint, or the run's start
-        self.seconds_since_checkpoint.set_function(lambda: time.monotonic() - self._since)
+        self.seconds_since_checkpoint.gauge.set_function(lambda: time.monotonic() - self._since)
         # Per epoch: where its counting starts, and what was counted of it.
         self._counted_epoch: int | None = None
         self._last_steps_done = 0
@@ -237,8 +277,10 @@ class PrometheusReporter:
             self.checkpoints.inc()
             self.checkpoint_seconds.set(event.seconds)
             self._since = time.monotonic()
+            self.seconds_since_checkpoint.measured = True
         elif isinstance(event, RunStarted):
             self._since = time.monotonic()
+            self.seconds_since_checkpoint.measured = True
             self.ranks.set(event.nranks)
             self.peers_alive.set(1)
             self.epoch.set(event.epoch)

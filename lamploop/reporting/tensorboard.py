@@ -1,8 +1,10 @@
 """``TensorBoardReporter``: a run's losses, metrics and speed as TensorBoard scalars.
 
-Progress samples are written at the run's global step (``ProgressSampled.total_steps``),
-epochs at the epoch; ``tensorboard --logdir <log_dir>`` shows them.  It needs the
-``tensorboard`` package (``pip install "lamploop[tensorboard]"``).
+Every training scalar is written at the run's global step (see
+:mod:`lamploop.reporting.global_step`), the epochs' included, with the epoch as a scalar of
+its own, ``epoch``: per-step and per-epoch curves share one x axis.
+``tensorboard --logdir <log_dir>`` shows them.  It needs the ``tensorboard`` package
+(``pip install "lamploop[tensorboard]"``).
 
 >>> import tempfile
 >>> from lamploop.reporting import EpochFinished, TensorBoardReporter
@@ -23,10 +25,12 @@ from lamploop.errors import ConfigurationError, MissingDependencyError
 from lamploop.reporting.events import (
     CheckpointWritten,
     EpochFinished,
+    EpochStarted,
     Event,
     IngestionSampled,
     ProgressSampled,
 )
+from lamploop.reporting.global_step import GlobalStep
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -41,20 +45,27 @@ class TensorBoardReporter:
         log_dir: the directory of the event files (made at the first event).
         flush_secs: how often the writer flushes on its own, besides after each epoch.
 
-    ``ProgressSampled``, at step ``total_steps``: ``train/loss_sampled`` (when a step
-    finished since the previous sample), ``perf/examples_per_second``, and when it counts
-    steps ``perf/step_seconds`` and ``perf/communication_seconds`` (per step).
+    The x axis is the global step: the optimizer steps this process trained so far, over
+    every epoch (:class:`~lamploop.reporting.global_step.GlobalStep`; a resumed process
+    counts from 0 again).
 
-    ``EpochFinished``, at step ``epoch``: ``train/loss``, ``validation/loss`` (raw) and
+    ``ProgressSampled``, at its ``total_steps``: ``epoch`` (the epoch in progress),
+    ``train/loss_sampled`` (when a step finished since the previous sample),
+    ``perf/examples_per_second``, and when it counts steps ``perf/step_seconds`` and
+    ``perf/communication_seconds`` (per step).
+
+    ``EpochFinished``, at the global step of the epoch's last step: ``epoch`` (the epoch
+    that finished), ``train/loss``, ``validation/loss`` (raw) and
     ``validation/loss_smoothed`` (epochs that validated), ``train/<metric>``,
     ``validation/<metric>`` (raw) and ``validation/<metric>_smoothed``,
     ``schedule/learning_rate_factor`` (when recorded) and ``perf/epoch_seconds``; then the
     writer flushes.
 
-    ``CheckpointWritten``: ``checkpoint/seconds`` at the latest sample's ``total_steps``
-    (0 before any).
+    ``CheckpointWritten``: ``checkpoint/seconds``, at its step boundary's global step (an
+    epoch's end for the end-of-epoch checkpoint).
 
-    ``IngestionSampled`` (a streamed run), at step ``samples`` (received so far):
+    ``IngestionSampled`` (a streamed run), on an x axis of its own, ``samples`` (received
+    so far: the intake goes on before and between steps):
     ``ingest/samples_per_second``, ``ingest/bytes_per_second``, ``ingest/put_seconds`` (the
     mean wait of a put), ``ingest/buffer_fill`` (the fraction of the capacity held) and
     ``ingest/reads``; under ``ingest/rank<r>/`` for ranks other than 0.  Other events write
@@ -79,7 +90,7 @@ class TensorBoardReporter:
         self.flush_secs = float(flush_secs)
         self._writer: SummaryWriter | None = None
         self._closed = False
-        self._global_step = 0
+        self._steps = GlobalStep()
 
     def _get_writer(self) -> SummaryWriter:
         if self._writer is None:
@@ -93,8 +104,8 @@ class TensorBoardReporter:
         if self._closed:
             return
         if isinstance(event, ProgressSampled):
-            add, step = self._get_writer().add_scalar, event.total_steps
-            self._global_step = step
+            add, step = self._get_writer().add_scalar, self._steps.see(event)
+            add("epoch", event.epoch, step, event.time)
             if event.loss is not None:
                 add("train/loss_sampled", event.loss, step, event.time)
             add("perf/examples_per_second", event.examples_per_second, step, event.time)
@@ -104,7 +115,8 @@ class TensorBoardReporter:
         elif isinstance(event, EpochFinished):
             writer = self._get_writer()
             add, entry = writer.add_scalar, event.state.learning_curve[-1]
-            step = entry.epoch
+            step = self._steps.see(event)
+            add("epoch", entry.epoch, step, event.time)
             add("train/loss", entry.training_loss, step, event.time)
             if entry.validation_loss is not None:
                 smoothed, raw = entry.validation_loss
@@ -120,7 +132,10 @@ class TensorBoardReporter:
             add("perf/epoch_seconds", event.seconds, step, event.time)
             writer.flush()
         elif isinstance(event, CheckpointWritten):
-            self._get_writer().add_scalar("checkpoint/seconds", event.seconds, self._global_step, event.time)
+            step = self._steps.see(event)
+            self._get_writer().add_scalar("checkpoint/seconds", event.seconds, step, event.time)
+        elif isinstance(event, EpochStarted):
+            self._steps.see(event)  # where a resumed epoch's steps start
         elif isinstance(event, IngestionSampled):
             add, step = self._get_writer().add_scalar, event.samples  # x: samples received so far
             prefix = f"ingest/rank{event.rank}" if event.rank else "ingest"

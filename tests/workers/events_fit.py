@@ -26,6 +26,11 @@ from lamploop.reporting.events import Event
 N_TRAIN, N_VALID, BATCH = 384, 128, 16
 
 
+def _plain(value: Any) -> Any:
+    """JSON for what json does not know: attrs values (RunStarted's model summary) and mappings."""
+    return attrs.asdict(value) if attrs.has(type(value)) else dict(value)
+
+
 class EventFile:
     """Writes each event as one JSON line (LoopState values as their epoch)."""
 
@@ -44,7 +49,7 @@ class EventFile:
             fields["training_loss"] = entry.training_loss
             fields["learning_rate_factor"] = entry.learning_rate_factor
         with self.path.open("a") as f:
-            f.write(json.dumps({"type": type(event).__name__, **fields}, default=dict) + "\n")
+            f.write(json.dumps({"type": type(event).__name__, **fields}, default=_plain) + "\n")
 
     def close(self) -> None:
         if not self.heard:

@@ -4,9 +4,25 @@ Every error lamploop raises on purpose derives from :class:`LamploopError`, so
 ``except LamploopError`` catches them all.  Errors about bad arguments also
 derive from :class:`ValueError`, so code written against plain PyTorch keeps
 working.  Each message names the offending value and where it came from.
+
+Some failures of a run of several ranks are detected by every rank itself, at the same
+point, from numbers the ranks share: a NaN loss (the per-step sums), ranks that disagree
+when they meet, a checkpoint that does not fit the run.  Such an error is *detected by
+every rank* (:attr:`LamploopError.detected_by_every_rank`, set by its class or by
+:func:`mark_detected_by_every_rank`), and it is the error every rank raises: the abort
+message that the first rank to fail sends the others does not replace their own verdict
+(see docs/reliability.md).
+
+>>> error = mark_detected_by_every_rank(DistributedError("the ranks disagree"))
+>>> error.detected_by_every_rank, DistributedError("a peer is gone").detected_by_every_rank
+(True, False)
+>>> NonFiniteLossError("nan", epoch=1, batch=None).detected_by_every_rank
+True
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 __all__ = [
     "BatchError",
@@ -29,11 +45,49 @@ __all__ = [
     "StreamExhausted",
     "StreamingError",
     "TrainingInterrupted",
+    "error_detected_by_every_rank",
+    "mark_detected_by_every_rank",
 ]
+
+E = TypeVar("E", bound="LamploopError")
 
 
 class LamploopError(Exception):
-    """Base class of every error lamploop raises on purpose."""
+    """Base class of every error lamploop raises on purpose.
+
+    Attributes:
+        detected_by_every_rank: in a run of several ranks, every rank detects this error
+            itself at the same point (from numbers the ranks share), so every rank raises
+            it, never the abort it causes on another rank (see the module).  ``True`` for
+            every :class:`NonFiniteLossError` and :class:`StreamExhausted`; set on one error
+            by :func:`mark_detected_by_every_rank`.
+    """
+
+    detected_by_every_rank: bool = False
+
+
+def mark_detected_by_every_rank(error: E) -> E:
+    """``error``, marked as detected by every rank of the run itself (at the same point).
+
+    Mark only an error that every rank raises alike when it happens (a check of values the
+    ranks share, e.g. after a broadcast or a sum), never one that a rank finds alone.
+    """
+    error.detected_by_every_rank = True
+    return error
+
+
+def error_detected_by_every_rank(exc: BaseException | None) -> LamploopError | None:
+    """The error in ``exc`` (``exc`` itself, or one inside its exception groups, the first
+    such) that every rank detects itself; ``None`` when there is none."""
+    if isinstance(exc, LamploopError):
+        return exc if exc.detected_by_every_rank else None
+    inner = getattr(exc, "exceptions", None)  # an exception group (task groups wrap errors in them)
+    if isinstance(inner, tuple):
+        for each in inner:
+            found = error_detected_by_every_rank(each)
+            if found is not None:
+                return found
+    return None
 
 
 class ConfigurationError(LamploopError, ValueError):
@@ -61,8 +115,11 @@ class StreamExhausted(BatchError):
     Raised by :func:`lamploop.one_epoch` instead of a plain :class:`BatchError` when the
     streams are :class:`~lamploop.batches.EndingBatchStream` objects that say they ended
     (such as :func:`lamploop.streaming.buffer_batches`'s); :func:`lamploop.epochs` ends the
-    run there, without recording the empty epoch.
+    run there, without recording the empty epoch.  Every rank detects it (the count of
+    batches is summed over the ranks).
     """
+
+    detected_by_every_rank = True
 
 
 class SampleMismatchError(BatchError):
@@ -104,6 +161,9 @@ class SampleMismatchError(BatchError):
 class NonFiniteLossError(LamploopError, FloatingPointError):
     """A loss was NaN or infinite.
 
+    Every rank detects it, at the same step (the per-step sums carry every rank's loss), and
+    raises it with the same ``epoch``, ``step`` and ``ranks``.
+
     Attributes:
         epoch: the epoch in which it happened (``None`` if unknown).
         batch: the 0-based index of the first bad batch in that epoch on this
@@ -112,6 +172,8 @@ class NonFiniteLossError(LamploopError, FloatingPointError):
             when found at the epoch's end, e.g. in validation).
         ranks: the ranks whose loss was bad at that step (empty when unknown).
     """
+
+    detected_by_every_rank = True
 
     def __init__(
         self,

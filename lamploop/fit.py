@@ -57,12 +57,19 @@ from lamploop.distributed.launch import (
     spawn_followers,
 )
 from lamploop.distributed.rank_extras import SYNC_EXTRA, RankExtras
-from lamploop.errors import CheckpointError, ConfigurationError, PeerLostError, TrainingInterrupted
+from lamploop.errors import (
+    CheckpointError,
+    ConfigurationError,
+    PeerLostError,
+    TrainingInterrupted,
+    error_detected_by_every_rank,
+)
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
+from lamploop.loop.stop_aware import stop_aware_batches
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
 from lamploop.reporting.emitter import EventEmitter
@@ -70,10 +77,16 @@ from lamploop.reporting.events import CheckpointWritten, PeerLost, RunFailed, Ru
 from lamploop.reporting.logging_reporter import LoggingReporter
 from lamploop.reporting.reporter import Reporter, close_all, start_all
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
+from lamploop.settings import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    TrainingSettings,
+)
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.step_schedules import StepSchedule
-from lamploop.stopping import blocking, stop_on_signals, stop_request
+from lamploop.stopping import blocking, share_stop_requests, stop_on_signals, stop_request
 from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
 from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
@@ -117,13 +130,35 @@ def _place(world_size: int | None, device: torch.device | str) -> _Place:
         raise ConfigurationError(msg)
     nranks = env.world_size if env is not None else (world_size or 1)
     local_rank = env.local_rank if env is not None else 0
-    torch_device = _device(device)
+    torch_device = _auto_device(nranks, local_rank) if device == AUTO_DEVICE else _device(device)
     if torch_device.type == "cuda" and torch_device.index is None and nranks > 1:
         torch_device = torch.device("cuda", local_rank)
     if nranks > 1 and torch_device.type == "cpu":
         cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // min(nranks, cores)))
     return _Place(env, nranks, env.rank if env is not None else 0, torch_device)
+
+
+AUTO_DEVICE = "auto"
+"""``fit(device="auto")``: CUDA when torch has it (``cuda:LOCAL_RANK``, with NCCL), else MPS for
+one rank where torch has it, else the CPU (with Gloo)."""
+
+
+def _auto_device(nranks: int, local_rank: int) -> torch.device:
+    """The device ``"auto"`` picks for this rank (see :data:`AUTO_DEVICE`)."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            msg = (
+                f"fit: device='auto' picks CUDA, but this rank's local rank is {local_rank} and there "
+                f"are {count} CUDA devices: start one rank per device, or pass device='cpu'"
+            )
+            raise ConfigurationError(msg)
+        return torch.device("cuda", local_rank if nranks > 1 else torch.cuda.current_device())
+    mps = getattr(torch.backends, "mps", None)
+    if nranks == 1 and mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 def _device(device: torch.device | str) -> torch.device:
@@ -227,15 +262,15 @@ async def fit_async(
     return_min_validation_loss_model: Container[int] = ALL_EPOCHS,
     validation_loss_exponential_smoothing_factor: float = 1.0,
     accumulate_gradient_over_n_batches: int = 1,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = AUTO_DEVICE,
     on_epoch: Callable[[LoopState], object] | None = None,
     world_size: int | None = None,
     strategy: str = "auto",
     launch_command: Sequence[str] | None = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    heartbeat_interval: float = 1.0,
-    heartbeat_timeout: float = 10.0,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     reporters: Sequence[Reporter] | None = None,
     checkpoint_every_n_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
@@ -272,7 +307,9 @@ async def fit_async(
             (default: every epoch), validation_loss_exponential_smoothing_factor,
             accumulate_gradient_over_n_batches: as in :func:`lamploop.epochs` and
             :func:`lamploop.one_epoch`.
-        device: where to train.
+        device: where to train; ``"auto"`` (the default) is ``cuda:LOCAL_RANK`` where torch has
+            CUDA (NCCL between ranks), else MPS for one rank where torch has it, else the CPU
+            (Gloo).
         on_epoch: called with the :class:`LoopState` after every epoch (rank 0).
         world_size: the number of ranks (default: the launcher's, else 1).
         strategy, bucket_cap_mb, collective_timeout: as in :func:`drive_distributed_training`
@@ -354,7 +391,7 @@ async def fit_async(
             nranks=place.nranks,
             device=place.device,
             model=model,
-            train_batches=train_batches,
+            train_batches=stop_aware_batches(train_batches, stop),  # a stop ends a wait for samples
             validation_batches=validation_batches,
             optimizer_factory=optimizer_factory,
             checkpoint_extras=RankExtras(
@@ -366,6 +403,7 @@ async def fit_async(
             async with (
                 stop_on_signals(stop),
                 open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
+                share_stop_requests(stop, f),
             ):
                 await follow(control=f)
         finally:
@@ -417,7 +455,7 @@ async def fit_async(
         device=place.device,
         model=model,
         optimizer_factory=optimizer_factory,
-        train_batches=train_batches,
+        train_batches=stop_aware_batches(train_batches, stop),  # a stop ends a wait for samples
         validation_batches=validation_batches,
         checkpoint_state=after_epoch,
         checkpoint_position=save_position if save is not None else None,
@@ -429,7 +467,7 @@ async def fit_async(
     )
     try:
         start_all(listeners)
-        run = _drive_with_followers(drive, place, spec, heartbeat, launch_command)
+        run = _drive_with_followers(drive, place, spec, heartbeat, launch_command, stop)
         return await _reported(run, stop, emit)
     finally:
         close_all(listeners)
@@ -516,7 +554,14 @@ async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmi
 
 
 def _first_error(exc: BaseException) -> BaseException:
-    """The first error inside the exception groups that task groups wrap errors in (cancellations skipped)."""
+    """The first error inside the exception groups that task groups wrap errors in (cancellations skipped).
+
+    An error that every rank detects itself (a NaN loss...) comes first: what it causes
+    elsewhere (a follower's abort, its process exiting with status 1) only follows from it.
+    """
+    own = error_detected_by_every_rank(exc)
+    if own is not None:
+        return own
     inner = getattr(exc, "exceptions", None)
     if not isinstance(inner, tuple):
         return exc
@@ -531,12 +576,16 @@ async def _drive_with_followers(
     spec: Any,
     heartbeat: _Heartbeat,
     launch_command: Sequence[str] | None,
+    stop: StopRequest,
 ) -> LoopState:
     """Run the root: alone, under a launcher, or with followers this process starts itself."""
     if place.nranks == 1:
         return await drive(control=None)
     if place.env is not None:
-        async with open_root_control(place.env, model_spec=spec, **heartbeat) as root:
+        async with (
+            open_root_control(place.env, model_spec=spec, **heartbeat) as root,
+            share_stop_requests(stop, root),  # a rank that waits for data hears the others' stops
+        ):
             return await drive(control=root, host=place.env.root_host)
     token = secrets.token_hex(16)
     async with (
@@ -550,7 +599,8 @@ async def _drive_with_followers(
             token=token,
             command=launch_command,
         )
-        state = await drive(control=root, host=_LOCAL)
+        async with share_stop_requests(stop, root):
+            state = await drive(control=root, host=_LOCAL)
         # The followers got Stop; give them a bounded time to exit before they are killed.
         followers.cancel_scope.deadline = anyio.current_time() + _FOLLOWER_EXIT_TIMEOUT_S
     return state

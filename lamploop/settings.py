@@ -17,6 +17,7 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Container, Mapping
 from typing import Any, ClassVar
@@ -34,6 +35,7 @@ from lamploop.checks import (
     optional_seconds,
     seconds,
 )
+from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.errors import ConfigurationError
 from lamploop.loop.non_finite import NonFiniteLossPolicy, check_policy
 from lamploop.loop.precision import Precision, check_precision
@@ -48,6 +50,8 @@ from lamploop.torch_schedulers import LrSchedulerFactory, check_interval
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "TrainingSettings",
     "check_int",
     "check_positive",
@@ -213,6 +217,22 @@ class TrainingSettings:
         "lr_scheduler_interval",
     )
     """The settings every rank must hold alike (followers take only these)."""
+
+    def every_rank_fingerprint(self) -> str:
+        """The :attr:`EVERY_RANK` settings as one string that the ranks compare when they meet.
+
+        Numbers, strings and frozen attrs values (schedules) by value; a function (an
+        ``lr_scheduler`` factory, a step schedule of your own) by whether it is set.
+        """
+
+        def shown(value: Any) -> Any:
+            if value is None or isinstance(value, bool | int | float | str):
+                return value
+            if attrs.has(type(value)):
+                return repr(value)
+            return f"a {type(value).__name__}"
+
+        return json.dumps({name: shown(getattr(self, name)) for name in self.EVERY_RANK}, sort_keys=True)
 
     def for_every_rank(self) -> dict[str, Any]:
         """The :attr:`EVERY_RANK` settings as keyword arguments (for ``follow_distributed_training``)."""

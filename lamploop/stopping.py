@@ -6,7 +6,10 @@ and at once on a second.  Requests come from:
 - SIGTERM and SIGINT, when ``fit`` runs on the main thread (a script, the CLI);
 - Ctrl-C in a notebook: there the kernel's event loop already runs on the main thread, so
   :func:`blocking` runs the training on a thread of its own with its own event loop, and
-  turns each ``KeyboardInterrupt`` that reaches the waiting main thread into a request.
+  turns each ``KeyboardInterrupt`` that reaches the waiting main thread into a request;
+- another rank: :func:`share_stop_requests` makes a request on any rank one on every rank,
+  through the control channel, so that a rank that waits for data (and so never reaches the
+  step boundary where requests travel with the step's count) hears it too.
 
 .. versionadded:: 0.3
 """
@@ -21,14 +24,17 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from types import TracebackType
 from typing import ParamSpec, TypeVar
 
 import anyio
+import anyio.abc
 
+from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.distributed.boundaries import StopRequest
 
-__all__ = ["blocking", "event_loop_running", "stop_request", "stop_on_signals"]
+__all__ = ["blocking", "event_loop_running", "share_stop_requests", "stop_on_signals", "stop_request"]
 
 logger = logging.getLogger("lamploop")
 
@@ -75,12 +81,14 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
 
 
 async def _watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
+    signalled = False  # a request relayed from another rank (see share_stop_requests) is no first signal
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
-            if stop.is_set():
+            if signalled:
                 scope.cancel()
                 return
+            signalled = True
             stop.request(name)
             logger.info("%s: stopping after the current step (again to stop at once)", name)
 
@@ -90,6 +98,65 @@ async def _watch_at_once(stop: StopRequest, scope: anyio.CancelScope) -> None:
     while not stop.at_once():  # noqa: ASYNC110
         await anyio.sleep(_POLL_S)
     scope.cancel()
+
+
+def share_stop_requests(
+    stop: StopRequest, control: ControlRoot | ControlFollower | None
+) -> AbstractAsyncContextManager[None]:
+    """``async with share_stop_requests(stop, control):`` a stop request on any rank is one on all.
+
+    While the body runs, a request on this rank (``stop`` set: a signal, a program) is sent to
+    the others through ``control`` (:meth:`~lamploop.control.ControlRoot.request_stop`), and a
+    request from another rank sets ``stop`` here, with that rank's reason (``"SIGTERM"``).  A
+    rank training on data that flows would learn it at the next step anyway (requests travel
+    with the step's example count); one that waits for data learns it only this way, and its
+    batch stream ends the wait (:mod:`lamploop.loop.stop_aware`).  ``control`` may be ``None``
+    (one rank): then nothing is shared.
+
+    Exceptions of the body pass through unwrapped (the relay's tasks never raise).
+    """
+    return _SharedStopRequests(stop, control)
+
+
+class _SharedStopRequests:
+    """The context manager of :func:`share_stop_requests`: two relay tasks beside the body."""
+
+    def __init__(self, stop: StopRequest, control: ControlRoot | ControlFollower | None) -> None:
+        self._stop = stop
+        self._control = control
+        self._relay: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> None:
+        if self._control is None:
+            return
+        self._relay = anyio.create_task_group()
+        await self._relay.__aenter__()
+        self._relay.start_soon(_tell_the_others, self._stop, self._control)
+        self._relay.start_soon(_hear_the_others, self._stop, self._control)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._relay is None:
+            return
+        self._relay.cancel_scope.cancel()
+        if isinstance(exc, anyio.get_cancelled_exc_class()):  # an outer cancellation: the group re-raises it
+            await self._relay.__aexit__(exc_type, exc, tb)
+        else:  # the tasks never raise: the group ends cleanly, the body's exception propagates as it is
+            await self._relay.__aexit__(None, None, None)
+
+
+async def _tell_the_others(stop: StopRequest, control: ControlRoot | ControlFollower) -> None:
+    while not stop.is_set():  # noqa: ASYNC110  (set from a signal handler or another thread)
+        await anyio.sleep(_POLL_S)
+    await control.request_stop(stop.reason)
+
+
+async def _hear_the_others(stop: StopRequest, control: ControlRoot | ControlFollower) -> None:
+    reason = await control.wait_for_stop_request()
+    if not stop.is_set():
+        logger.info("%s on another rank: stopping after the current step", reason)
+        stop.request(reason)
 
 
 def blocking(run: Callable[P, Awaitable[R]]) -> Callable[P, R]:

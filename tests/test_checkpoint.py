@@ -35,6 +35,7 @@ from lamploop.checkpoint import (
     save_checkpoint,
 )
 from lamploop.checkpoint import files as ckpt_files
+from lamploop.checkpoint import save as ckpt_save
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop import ALL_EPOCHS, epochs
 from lamploop.schedules import PlateauState, noop, reduce_lr_on_plateau
@@ -346,17 +347,17 @@ def test_a_failed_save_leaves_no_temporary_and_keeps_latest(
     state, _, _ = full_state()
     save_checkpoint(tmp_path, _state_at(state, 1))
     calls = 0
-    real_save = safetensors.torch.save
+    real_write = ckpt_save._write_tensors
 
-    def failing_save(*args: Any, **kwargs: Any) -> bytes:
+    def failing_write(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 3:
             msg = "No space left on device"
             raise OSError(28, msg)
-        return real_save(*args, **kwargs)
+        return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save", failing_save)
+    monkeypatch.setattr(ckpt_save, "_write_tensors", failing_write)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(tmp_path, _state_at(state, 2))
     assert entries(tmp_path) == ["epoch-000001", "latest"]

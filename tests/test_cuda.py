@@ -85,3 +85,20 @@ def test_fit_on_cuda_reaches_the_cpu_result() -> None:
         assert state is not None
         results.append([entry.training_loss for entry in state.learning_curve])
     assert results[1] == pytest.approx(results[0], rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_fit_with_the_default_device_trains_on_cuda() -> None:
+    """``device="auto"`` (the default) puts the model on ``cuda`` where torch has it."""
+    x, y = _data()
+    module = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    seen: list[torch.device] = []
+    state = lamploop.fit(
+        model=lamploop.SupervisedModel(module),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+        train_batches=lamploop.tensor_batches(x, y, batch_size=32),
+        max_epochs=1,
+        on_epoch=lambda _: seen.append(next(module.parameters()).device),
+    )
+    assert state is not None
+    assert [d.type for d in seen] == ["cuda"]

@@ -186,3 +186,19 @@ def test_early_stopping_without_validation_batches_is_refused() -> None:
         "fit: early_stopping_patience=2 needs validation_batches: it counts validations without a new "
         "best model, and there would be none"
     )
+
+
+def test_the_default_device_is_auto_and_trains_where_torch_can() -> None:
+    """``device="auto"`` is the default: CUDA where there is some (tests/test_cuda.py), else here the CPU."""
+    import inspect
+
+    assert inspect.signature(lamploop.fit).parameters["device"].default == "auto"
+    module = _module()
+    seen: list[torch.device] = []
+    state = _fit(
+        model=lamploop.SupervisedModel(module),
+        on_epoch=lambda _: seen.append(next(module.parameters()).device),
+    )
+    assert state is not None
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert [d.type for d in seen] == [expected, expected]

@@ -9,15 +9,37 @@ value and raises :class:`~lamploop.errors.ConfigurationError`; :func:`check_int`
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import attrs
 
 from lamploop.errors import ConfigurationError
 from lamploop.modelspec import ModelSpec
 
-__all__ = ["Link", "Run", "check_int", "check_seconds"]
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "Link",
+    "Run",
+    "check_int",
+    "check_seconds",
+]
 
 _MIN_FRAME_BYTES = 1024
+
+DEFAULT_HEARTBEAT_INTERVAL_S: Final = 0.5
+"""Seconds between two heartbeats on a joined connection, both ways."""
+
+DEFAULT_HEARTBEAT_TIMEOUT_S: Final = 4.0
+"""Seconds of silence after which a joined peer is lost.
+
+A dead, frozen or cut-off rank ends every survivor's run about this long after its last
+heartbeat: within 5 s of the fault (docs/reliability.md).  The heartbeats run on the event
+loop, apart from compute, so only a loop starved for 3.5 s (eight heartbeats missed) is
+taken for lost: a step that computes for a minute is not.  What does starve it is a thread
+that holds the GIL for long (a checkpoint serializing gigabytes, a first optimizer step
+importing ``torch._dynamo``) on an overloaded machine: up to 1.3 s was measured with 2 busy
+processes per core (``benchmarks/stress_liveness.py``)."""
 
 
 @attrs.frozen

@@ -5,6 +5,13 @@ Both :class:`~lamploop.control.tcp_root.TcpControlRoot` and
 :class:`Supervisor`'s task group.  The tasks never raise: they report a
 :class:`~lamploop.errors.ControlChannelError` to :meth:`Supervisor.fail`, and the supervisor
 decides where it surfaces (see the class).
+
+A peer that failed with an error every rank detects itself (a NaN loss...: see
+:mod:`lamploop.errors`) says so in its Abort.  Its failure is then *expected alike*: the
+owner's body is given :data:`OWN_VERDICT_GRACE_S` to end with its own error, which wins over
+the peer's abort (:meth:`Supervisor.close` raises the body's own error); only if the body is
+still running then, or asks the channel for more (a method inside :meth:`Supervisor.waiting`),
+does the peer's abort surface as usual.
 """
 
 from __future__ import annotations
@@ -17,11 +24,16 @@ import anyio
 import anyio.abc
 
 from lamploop.control.wire import Abort
-from lamploop.errors import ControlChannelError, PeerLostError
+from lamploop.errors import ControlChannelError, PeerLostError, error_detected_by_every_rank
 
-__all__ = ["Supervisor"]
+__all__ = ["OWN_VERDICT_GRACE_S", "Supervisor"]
 
 logger = logging.getLogger("lamploop.control")
+
+OWN_VERDICT_GRACE_S = 5.0
+"""Seconds the owner's body may take to fail by itself with the error that a peer failed with
+and that every rank detects (the ranks learn it from the same numbers, so it comes at once
+unless this rank is starved of CPU); after that the peer's abort is raised."""
 
 
 class Supervisor:
@@ -30,7 +42,9 @@ class Supervisor:
     The first failure wins.  If the owner is waiting in one of the channel's methods
     (inside :meth:`waiting`) that method raises it; otherwise the owner's ``async with``
     body -- and only the body: the background tasks still have last words to say -- is
-    cancelled, and :meth:`close` raises the failure.
+    cancelled, and :meth:`close` raises the failure.  A failure *expected alike* (a peer
+    failed with an error every rank detects itself, see the module) waits up to
+    :data:`OWN_VERDICT_GRACE_S` for the body to end with its own error first.
 
     Args:
         on_failure: called once, on the first failure, to wake up whatever the owner waits on.
@@ -38,8 +52,11 @@ class Supervisor:
 
     def __init__(self, on_failure: Callable[[], None]) -> None:
         self.failure: ControlChannelError | None = None
+        self.failure_alike = False  # the failure is a peer's error that this side detects too
         self._tg: anyio.abc.TaskGroup | None = None
         self._body: anyio.CancelScope | None = None
+        self._body_left = False
+        self._pending = False  # a failure expected alike, not yet raised or acted upon
         self._waiting = 0
         self._on_failure = on_failure
 
@@ -60,14 +77,36 @@ class Supervisor:
         self._body = anyio.CancelScope()
         self._body.__enter__()
 
-    def fail(self, error: ControlChannelError) -> None:
+    def fail(self, error: ControlChannelError, *, alike: bool = False) -> None:
+        """Record ``error``; the first one wins.
+
+        ``alike``: a peer failed with an error that every rank detects itself (its Abort says
+        so), so the owner's body, unless waiting in the channel, gets :data:`OWN_VERDICT_GRACE_S`
+        to fail with its own error before it is cancelled.
+        """
         if self.failure is not None:
             logger.debug("after the first failure, also: %s", error)
             return
         self.failure = error
+        self.failure_alike = alike
+        if alike and self._waiting == 0 and self._body is not None and not self._body_left:
+            self._pending = True
+            self.tg.start_soon(self._act_after_grace)
+            return
+        self._act()
+
+    def _act(self) -> None:
+        """Make the failure surface: wake up the channel's waits, or cancel the owner's body."""
+        self._pending = False
         self._on_failure()
         if self._waiting == 0 and self._body is not None:
             self._body.cancel()
+
+    async def _act_after_grace(self) -> None:
+        await anyio.sleep(OWN_VERDICT_GRACE_S)
+        if self._pending and not self._body_left:
+            logger.debug("no error of our own within %g s; raising: %s", OWN_VERDICT_GRACE_S, self.failure)
+            self._act()
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -75,7 +114,15 @@ class Supervisor:
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
-        """Mark the owner as waiting in a channel method, which raises failures itself."""
+        """Mark the owner as waiting in a channel method, which raises failures itself.
+
+        Entering it with a failure expected alike still pending raises that failure: the owner
+        went on without failing itself.
+        """
+        if self._pending and self.failure is not None:
+            self._pending = False
+            self._on_failure()
+            raise self.failure
         self._waiting += 1
         try:
             yield
@@ -84,6 +131,9 @@ class Supervisor:
 
     def describe_exit(self, exc: BaseException | None, who: str) -> str:
         """Why the ``who`` leaves, for the Abort sent to its peers; ``exc`` is from :meth:`leave_body`."""
+        own = error_detected_by_every_rank(exc)
+        if own is not None:  # this side's own verdict, which every rank reaches too
+            return f"the {who} failed: {type(own).__name__}: {own}"[:1000]
         if self.failure is not None:
             return str(self.failure)[:1000]
         if exc is None:
@@ -95,13 +145,18 @@ class Supervisor:
     def abort_message(self, exc: BaseException | None, who: str, *, own_rank: int) -> Abort:
         """The Abort to send when leaving before Stop: why, and which rank was lost if one was.
 
+        An error every rank detects itself (the owner's, or a peer's it passes on) travels with
+        ``detected_by_every_rank``, so that the peers raise their own instead of this abort.
         A lost rank (the channel's own failure, or a :class:`PeerLostError` the owner raised)
         travels as ``lost_rank``/``how``, so that the peers blame it and not this side.
         """
         reason = self.describe_exit(exc, who)
+        if error_detected_by_every_rank(exc) is not None:
+            return Abort(reason, detected_by_every_rank=True)
         for error in (self.failure, exc):
             if isinstance(error, PeerLostError) and error.rank is not None and error.rank != own_rank:
-                return Abort(reason, lost_rank=error.rank, how=error.how)
+                alike = error is self.failure and self.failure_alike
+                return Abort(reason, lost_rank=error.rank, how=error.how, detected_by_every_rank=alike)
         return Abort(reason)
 
     def leave_body(self, exc: BaseException | None) -> BaseException | None:
@@ -109,6 +164,8 @@ class Supervisor:
         if self._body is None:
             msg = "the control channel was not entered"
             raise ControlChannelError(msg)
+        self._body_left = True
+        self._pending = False
         if self._body.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None):
             return None
         return exc
@@ -130,5 +187,10 @@ class Supervisor:
         if self.failure is not None and exc is not self.failure:
             if exc is None:
                 raise self.failure
-            logger.warning("control channel failure while the block ended with an error: %s", self.failure)
+            if self.failure_alike and error_detected_by_every_rank(exc) is not None:
+                logger.debug("a peer failed alike: %s", self.failure)  # the block's own error says it
+            else:
+                logger.warning(
+                    "control channel failure while the block ended with an error: %s", self.failure
+                )
         return swallowed and exc is None

@@ -9,6 +9,10 @@ Then, about once per epoch, the root broadcasts one :data:`Command`:
 - :class:`Valid` -- run one forward-only validation epoch;
 - :class:`Stop` -- training is over; the follower's command iterator ends after it.
 
+Beside the commands, any rank may ask every rank to stop after the step in progress (a
+SIGTERM reached it): :meth:`ControlRoot.request_stop` / :meth:`ControlFollower.request_stop`,
+heard everywhere through ``wait_for_stop_request`` (see :func:`lamploop.stopping.share_stop_requests`).
+
 :class:`ControlRoot` and :class:`ControlFollower` are the whole interface (after lamp's
 ``DistributedCommunicationRoot`` / ``NonRoot``); :mod:`lamploop.control.local` and
 :mod:`lamploop.control.tcp` implement them, and one conformance test runs against both.
@@ -99,6 +103,20 @@ class ControlRoot(Protocol):
         """
         ...
 
+    async def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the step in progress (``reason``: what asked, ``"SIGTERM"``).
+
+        Every follower learns it from :meth:`ControlFollower.wait_for_stop_request`, also one
+        that waits for data.  Only the first request (from any rank) counts; later ones and
+        those after :class:`Stop` do nothing.  It does not wait for the followers and raises
+        nothing: a follower that is gone is reported as usual.
+        """
+        ...
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank (this one or a follower) asked every rank to stop; its reason."""
+        ...
+
 
 @runtime_checkable
 class ControlFollower(Protocol):
@@ -121,4 +139,16 @@ class ControlFollower(Protocol):
                 did not prove the shared token.
             PeerLostError: the root went away before sending the rendezvous.
         """
+        ...
+
+    async def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the step in progress (``reason``: what asked, ``"SIGTERM"``).
+
+        The root and every other follower learn it (the root passes it on), as with
+        :meth:`ControlRoot.request_stop`; it does not wait and raises nothing.
+        """
+        ...
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank (this one, the root or another follower) asked every rank to stop; its reason."""
         ...

@@ -90,6 +90,9 @@ class _Hub:
         self.root_left: str | None = None
         self.rendezvous_or_root_left = anyio.Event()
         self.gone: dict[int, tuple[str, str]] = {}  # rank -> (why, how) it left before Stop
+        self.finished = False  # the root broadcast Stop
+        self.stop_reason: str | None = None  # the first rank's request to stop every rank
+        self.stop_requested = anyio.Event()
         self.sends: dict[int, MemoryObjectSendStream[Command | _Aborted]] = {}
         self.receives: dict[int, MemoryObjectReceiveStream[Command | _Aborted]] = {}
         for rank in range(1, nranks):
@@ -98,6 +101,15 @@ class _Hub:
             self.receives[rank] = receive
         if nranks == 1:
             self.all_joined.set()
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None and not self.finished:
+            self.stop_reason = reason
+            self.stop_requested.set()
+
+    async def wait_for_stop_request(self) -> str:
+        await self.stop_requested.wait()
+        return self.stop_reason or ""
 
 
 def local_control(
@@ -229,8 +241,18 @@ class LocalControlRoot:
         await anyio.lowlevel.checkpoint()
         if isinstance(command, Stop):
             self._stopped = True
+            hub.finished = True
             for send in hub.sends.values():
                 send.close()
+
+    async def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the step in progress (see :meth:`ControlRoot.request_stop`)."""
+        self._hub.request_stop(reason)
+        await anyio.lowlevel.checkpoint()
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank asked every rank to stop; its reason."""
+        return await self._hub.wait_for_stop_request()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -292,6 +314,15 @@ class LocalControlFollower:
             raise PeerLostError(msg, rank=0, how="closed")
         msg = f"rank {self.rank}: the root sent no rendezvous within {hub.join_timeout:g} s"
         raise ControlChannelError(msg)
+
+    async def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the step in progress (see :meth:`ControlFollower.request_stop`)."""
+        self._hub.request_stop(reason)
+        await anyio.lowlevel.checkpoint()
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank asked every rank to stop; its reason."""
+        return await self._hub.wait_for_stop_request()
 
 
 class _LocalCommands(AsyncIterator[Command]):

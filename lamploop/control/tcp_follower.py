@@ -24,10 +24,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from lamploop.control import _tls as tls
 from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
 from lamploop.control._handshake import greet_root
-from lamploop.control._settings import Link, Run, check_int, check_seconds
+from lamploop.control._settings import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    Link,
+    Run,
+    check_int,
+    check_seconds,
+)
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
-from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Abort, Heartbeat
+from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Abort, Heartbeat, Interrupt
 from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
 
@@ -75,8 +82,8 @@ class TcpControlFollower:
         token: bytes | str,
         model_spec: ModelSpec,
         connect_timeout: float = 60.0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 10.0,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         handshake_timeout: float = 10.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         ssl_context: ssl.SSLContext | None = None,
@@ -100,6 +107,9 @@ class TcpControlFollower:
         self._rendezvous: Rendezvous | None = None
         self._rendezvous_or_failed = anyio.Event()
         self._drained = anyio.Event()
+        self._stop_reason: str | None = None  # the first rank's request to stop every rank
+        self._stop_requested = anyio.Event()
+        self._stop_told = False  # this follower's own request went to the root
         self._send_commands: MemoryObjectSendStream[Command]  # made on entering, closed on leaving
         self._commands: _TcpCommands
 
@@ -169,6 +179,8 @@ class TcpControlFollower:
         logger.info("rank %d joined %s", self.rank, self._root)
         tg.start_soon(conn.heartbeat_forever, self._on_heartbeat_error)
         tg.start_soon(self._read_root, conn)
+        if self._stop_reason is not None:  # a stop was requested here before joining
+            self._tell_root(self._stop_reason)
         with self._sup.waiting():
             await self._rendezvous_or_failed.wait()
         self._sup.raise_failure()
@@ -208,15 +220,49 @@ class TcpControlFollower:
             await anyio.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 
+    async def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the step in progress (see :meth:`ControlFollower.request_stop`).
+
+        The root passes it on to the other followers.  Only the first request counts; the
+        send runs in the background (once joined): this returns at once and raises nothing.
+        """
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self._stop_requested.set()
+            conn = self._conn
+            if conn is not None and conn.rank is not None:
+                self._tell_root(reason)
+        await anyio.lowlevel.checkpoint()
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank (this one, the root or another follower) asked every rank to stop; its reason."""
+        await self._stop_requested.wait()
+        return self._stop_reason or ""
+
+    def _tell_root(self, reason: str) -> None:
+        if not self._stop_told:
+            self._stop_told = True
+            self._sup.tg.start_soon(self._send_interrupt, reason)
+
+    async def _send_interrupt(self, reason: str) -> None:
+        conn = self._conn
+        if conn is None or conn.finished:
+            return
+        try:
+            await conn.send(Interrupt(reason), unless_closed=True)
+        except ControlChannelError as exc:  # the root is gone: the connection reports that
+            logger.debug("rank %d could not pass the stop request to the root: %s", self.rank, exc)
+
     def _on_heartbeat_error(self, exc: ControlChannelError) -> None:
         self._lost(f"is gone: {exc}", "died")
 
-    def _lost(self, what: str, how: str, *, rank: int = 0) -> None:
+    def _lost(self, what: str, how: str, *, rank: int = 0, alike: bool = False) -> None:
         conn = self._conn
         if conn is not None and conn.finished:
             logger.debug("rank %d: after Stop, %s %s", self.rank, self._root, what)
             return
-        self._sup.fail(PeerLostError(f"rank {self.rank}: {self._root} {what}", rank=rank, how=how))
+        error = PeerLostError(f"rank {self.rank}: {self._root} {what}", rank=rank, how=how)
+        self._sup.fail(error, alike=alike)
 
     async def _read_root(self, conn: Connection) -> None:
         try:
@@ -232,13 +278,19 @@ class TcpControlFollower:
                 return
             if isinstance(message, Heartbeat) or conn.finished:
                 continue
+            if isinstance(message, Interrupt):
+                if self._stop_reason is None:
+                    self._stop_reason = message.reason
+                    self._stop_requested.set()
+                continue
             if isinstance(message, Abort):
+                # An error every rank detects itself: this rank's own verdict is awaited first.
+                alike = message.detected_by_every_rank
                 if message.lost_rank is not None and message.lost_rank != 0:  # the root lost another rank
-                    self._lost(
-                        f"aborted the run: {message.reason}", message.how or "aborted", rank=message.lost_rank
-                    )
+                    how = message.how or "aborted"
+                    self._lost(f"aborted the run: {message.reason}", how, rank=message.lost_rank, alike=alike)
                 else:
-                    self._lost(f"aborted the run: {message.reason}", "aborted")
+                    self._lost(f"aborted the run: {message.reason}", "aborted", alike=alike)
                 return
             if isinstance(message, Rendezvous) and self._rendezvous is None:
                 self._rendezvous = message

@@ -24,7 +24,14 @@ from lamploop.control import _tls as tls
 from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
 from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
 from lamploop.control._listen import serve_tcp
-from lamploop.control._settings import Link, Run, check_int, check_seconds
+from lamploop.control._settings import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    Link,
+    Run,
+    check_int,
+    check_seconds,
+)
 from lamploop.control._strangers import PendingHandshakes, RefusalLog
 from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
@@ -32,6 +39,7 @@ from lamploop.control.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     Abort,
     Heartbeat,
+    Interrupt,
     Refuse,
     encode_frame,
     preauth_frame_limit,
@@ -84,8 +92,8 @@ class TcpControlRoot:
         token: bytes | str,
         model_spec: ModelSpec,
         join_timeout: float = 60.0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 10.0,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         handshake_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_pending_handshakes: int = 64,
@@ -112,6 +120,9 @@ class TcpControlRoot:
         self._all_served = anyio.Event()
         self._rendezvous_sent = False
         self._stop_sent = False
+        self._welcomed: set[int] = set()  # those whose Welcome went out: Interrupts may follow it
+        self._stop_reason: str | None = None  # the first rank's request to stop every rank
+        self._stop_requested = anyio.Event()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -231,6 +242,36 @@ class TcpControlRoot:
                     await conn.send_eof()
         self._sup.raise_failure()
 
+    async def request_stop(self, reason: str) -> None:
+        """Ask every follower to stop after the step in progress (see :meth:`ControlRoot.request_stop`).
+
+        Only the first request counts (this one, or a follower's that the root passed on);
+        the sends run in the background: this returns at once and raises nothing.
+        """
+        self._share_stop_request(reason, source=0)
+        await anyio.lowlevel.checkpoint()
+
+    async def wait_for_stop_request(self) -> str:
+        """Wait until a rank (the root or a follower) asked every rank to stop; its reason."""
+        await self._stop_requested.wait()
+        return self._stop_reason or ""
+
+    def _share_stop_request(self, reason: str, *, source: int) -> None:
+        """Record the first request to stop, and send it to every follower but ``source``."""
+        if self._stop_reason is not None or self._stop_sent:
+            return
+        self._stop_reason = reason
+        self._stop_requested.set()
+        logger.info("rank %d asked every rank to stop (%s); telling the followers", source, reason)
+        for rank in sorted(self._welcomed - {source}):
+            self._sup.tg.start_soon(self._send_interrupt, self._peers[rank], reason)
+
+    async def _send_interrupt(self, conn: Connection, reason: str) -> None:
+        try:
+            await conn.send(Interrupt(reason), unless_closed=True)
+        except ControlChannelError as exc:  # the follower is gone: its connection reports that
+            logger.debug("could not pass the stop request to rank %s: %s", conn.rank, exc)
+
     async def _send_to(self, rank: int, data: bytes) -> None:
         conn = self._peers[rank]
         try:
@@ -299,6 +340,9 @@ class TcpControlRoot:
             self._lost(conn, f"is gone: {exc}", "died")
             return rank
         logger.info("control root: rank %d joined from %s", rank, conn.peer)
+        self._welcomed.add(rank)
+        if self._stop_reason is not None:  # a stop was requested before it joined
+            self._sup.tg.start_soon(self._send_interrupt, conn, self._stop_reason)
         if len(self._peers) == self._run.nranks - 1:
             self._joined_or_failed.set()  # after the welcome, so the rendezvous cannot overtake it
         return rank
@@ -328,11 +372,12 @@ class TcpControlRoot:
     def _on_heartbeat_error(self, conn: Connection) -> Callable[[ControlChannelError], None]:
         return lambda exc: self._lost(conn, f"is gone: {exc}", "died")
 
-    def _lost(self, conn: Connection, what: str, how: str) -> None:
+    def _lost(self, conn: Connection, what: str, how: str, *, alike: bool = False) -> None:
         if conn.finished:
             logger.debug("rank %s (%s) after Stop: %s", conn.rank, conn.peer, what)
             return
-        self._sup.fail(PeerLostError(f"rank {conn.rank} ({conn.peer}) {what}", rank=conn.rank, how=how))
+        error = PeerLostError(f"rank {conn.rank} ({conn.peer}) {what}", rank=conn.rank, how=how)
+        self._sup.fail(error, alike=alike)
 
     def fail_peer(self, rank: int, how: str, detail: str) -> None:
         """Record that rank ``rank`` was lost (found out by other means); the first failure wins."""
@@ -348,6 +393,10 @@ class TcpControlRoot:
             if isinstance(message, Abort):
                 self._lost_by_abort(conn, message)
                 return
+            if isinstance(message, Interrupt):
+                if not conn.finished and conn.rank is not None:
+                    self._share_stop_request(message.reason, source=conn.rank)
+                continue
             if not isinstance(message, Heartbeat):
                 self._lost(
                     conn, f"broke the protocol: it sent a {type(message).__name__} message", "protocol"
@@ -355,11 +404,16 @@ class TcpControlRoot:
                 return
 
     def _lost_by_abort(self, conn: Connection, abort: Abort) -> None:
-        """A follower aborted: it failed itself, or it lost another rank (which it names)."""
+        """A follower aborted: it failed itself, or it lost another rank (which it names).
+
+        When it failed with an error that every rank detects itself (the Abort says so), this
+        side's own verdict is awaited first (see :mod:`lamploop.control._supervisor`).
+        """
+        alike = abort.detected_by_every_rank
         if abort.lost_rank is not None and abort.lost_rank != conn.rank and abort.lost_rank != 0:
             if conn.finished:
                 return
             what = f"rank {abort.lost_rank}, reported by rank {conn.rank} ({conn.peer}): {abort.reason}"
-            self._sup.fail(PeerLostError(what, rank=abort.lost_rank, how=abort.how))
+            self._sup.fail(PeerLostError(what, rank=abort.lost_rank, how=abort.how), alike=alike)
             return
-        self._lost(conn, f"aborted the run: {abort.reason}", "aborted")
+        self._lost(conn, f"aborted the run: {abort.reason}", "aborted", alike=alike)

@@ -41,6 +41,7 @@ __all__ = [
     "FrameDecoder",
     "Heartbeat",
     "Hello",
+    "Interrupt",
     "Message",
     "Refuse",
     "Welcome",
@@ -55,8 +56,11 @@ __all__ = [
     "token_proof",
 ]
 
-PROTOCOL_VERSION: Final = 2
-"""The control protocol version; peers that speak another one are refused."""
+PROTOCOL_VERSION: Final = 3
+"""The control protocol version; peers that speak another one are refused.
+
+2 added :class:`Abort`'s ``lost_rank`` and ``how``; 3 its ``detected_by_every_rank``, and
+:class:`Interrupt`."""
 
 HEADER_BYTES: Final = 4
 """Size of the big-endian unsigned length prefix of every frame."""
@@ -118,11 +122,28 @@ class Abort:
 
     When the run failed because a rank was lost, ``lost_rank`` and ``how`` name it, so that
     the receiving side blames that rank and not the messenger (protocol version 2).
+    ``detected_by_every_rank`` says that the sender failed with an error that every rank
+    detects itself at the same point (a NaN loss...; see :mod:`lamploop.errors`): the
+    receiving side gives its own work a moment to fail with that error, which it then raises
+    instead of this abort (protocol version 3).
     """
 
     reason: str
     lost_rank: int | None = None
     how: str | None = None
+    detected_by_every_rank: bool = False
+
+
+@attrs.frozen
+class Interrupt:
+    """Either way, once joined and before ``Stop``: a rank was asked to stop, and why (``"SIGTERM"``).
+
+    Every rank then stops after the step in progress, also one that waits for data and so
+    never reaches the step where the request would travel with the example count; the root
+    passes a follower's on to the others (protocol version 3).
+    """
+
+    reason: str
 
 
 @attrs.frozen
@@ -145,6 +166,7 @@ Message: TypeAlias = (
     | Refuse
     | Heartbeat
     | Abort
+    | Interrupt
     | EndOfMessages
 )
 """Every message that travels in a frame."""
@@ -160,6 +182,7 @@ _TAGS: Final[dict[type[Any], str]] = {
     Refuse: "refuse",
     Heartbeat: "heartbeat",
     Abort: "abort",
+    Interrupt: "interrupt",
     EndOfMessages: "end_of_messages",
 }
 _TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in _TAGS.items()}
@@ -177,8 +200,17 @@ def _strict(expected: type[Any] | tuple[type[Any], ...], name: str) -> Callable[
     return hook
 
 
+def _strict_bool(value: Any, _type: Any) -> bool:
+    """A structure hook that accepts only JSON ``true`` and ``false``."""
+    if not isinstance(value, bool):
+        msg = f"expected a boolean, got {type(value).__name__} {value!r:.40}"
+        raise TypeError(msg)
+    return value
+
+
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(bool, _strict_bool)
     converter.register_structure_hook(int, _strict(int, "an integer"))
     converter.register_structure_hook(float, _strict((int, float), "a number"))
     converter.register_structure_hook(str, _strict(str, "a string"))

@@ -85,12 +85,13 @@ async def named_peer_failures(run: Awaitable[T], control: object | None, nranks:
     """Await ``run``; if a collective fails, give the control channel time to name the lost rank.
 
     The control channel cancels this task and raises :class:`PeerLostError` naming the rank
-    if it notices one; otherwise the collective's :class:`DistributedError` stands.
+    if it notices one; otherwise the collective's :class:`DistributedError` stands.  An error
+    that every rank detects itself (the ranks disagree...) is no lost rank: raised at once.
     """
     try:
         return await run
-    except DistributedError:
-        if control is not None and nranks > 1:
+    except DistributedError as exc:
+        if control is not None and nranks > 1 and not exc.detected_by_every_rank:
             await anyio.sleep(LOST_PEER_GRACE_S)
         raise
 

@@ -19,7 +19,7 @@ import torch
 from lamploop.checkpoint import RngStates
 from lamploop.checkpoint.codec import decode_tree, encode_tree
 from lamploop.distributed.boundaries import rng_from_json, rng_to_json
-from lamploop.errors import DistributedError
+from lamploop.errors import DistributedError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
 from lamploop.sync.collectives import Collectives
@@ -104,6 +104,10 @@ def share_resume_point(
     Each rank restores its own RNG states from the checkpoint when it holds every rank's.
     ``keep_rngs`` (the root's: does it checkpoint?) tells every rank to send its RNG states
     to the root at the end of every pass, for the epoch-boundary checkpoints.
+
+    Raises:
+        DistributedError: (on every rank, detected by every rank) the checkpoint holds the
+            RNG states of another number of ranks than this run's.
     """
     payload = None
     if collectives.rank == 0:
@@ -117,9 +121,9 @@ def share_resume_point(
     saved = len(shared["rngs"])
     if saved == collectives.nranks:
         rng_from_json(shared["rngs"][collectives.rank]).restore()
-    elif saved > 1:
+    elif saved > 1:  # every rank sees the same count: every rank refuses alike
         msg = f"the checkpoint holds the RNG states of {saved} ranks, this run has {collectives.nranks}"
-        raise DistributedError(msg)
+        raise mark_detected_by_every_rank(DistributedError(msg))
     elif saved == 1 and collectives.rank == 1:
         logger.warning("the checkpoint holds the root's RNG states only: followers start from their own")
     raw = shared["position"]

@@ -33,6 +33,7 @@ import anyio
 import attrs
 import torch.distributed as dist
 
+from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed.network import slurm_first_host, slurm_job_port
 from lamploop.errors import ConfigurationError, ControlChannelError
@@ -178,8 +179,8 @@ async def open_root_control(
     *,
     model_spec: ModelSpec,
     bind_host: str | None = None,
-    heartbeat_interval: float = 1.0,
-    heartbeat_timeout: float = 10.0,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> AsyncIterator[TcpControlRoot]:
     """The root's TCP control channel, its address published where the followers look."""
     token = env.token or secrets.token_hex(16)
@@ -225,7 +226,11 @@ def _is_loopback(host: str) -> bool:
 
 @asynccontextmanager
 async def open_follower_control(
-    env: LaunchEnv, *, model_spec: ModelSpec, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0
+    env: LaunchEnv,
+    *,
+    model_spec: ModelSpec,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> AsyncIterator[TcpControlFollower]:
     """A follower's TCP control channel to the root named by the launcher."""
     port, token = env.control_port, env.token

@@ -21,7 +21,7 @@ from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, error_detected_by_every_rank
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.selection import SelectionMode
@@ -38,7 +38,11 @@ S = TypeVar("S")
 
 
 class _FirstError:
-    """Remembers the first exception of any rank, to raise it instead of the group of all."""
+    """Remembers the first exception of any rank, to raise it instead of the group of all.
+
+    An error that every rank detects itself (see :mod:`lamploop.errors`) wins over an earlier
+    one of another kind, which can only be a consequence of it.
+    """
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -47,7 +51,10 @@ class _FirstError:
         try:
             return await run
         except Exception as exc:
-            if self.error is None:
+            if self.error is None or (
+                error_detected_by_every_rank(exc) is not None
+                and error_detected_by_every_rank(self.error) is None
+            ):
                 self.error = exc
             raise
 

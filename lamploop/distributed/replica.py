@@ -22,10 +22,11 @@ from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
 from lamploop.distributed.rank_extras import RankExtras, SyncState
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
 from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
+from lamploop.loop.stop_aware import stop_aware_batches
 from lamploop.model import SupervisedModel
 from lamploop.settings import TrainingSettings
 from lamploop.step_schedules import check_step_factor
@@ -256,12 +257,17 @@ class RankPlan:
         boundary: RankBoundary,
         resume_at: EpochPosition | None,
         saved: Mapping[str, Any],
+        abort: AbortSignal,
     ) -> Replica:
-        """The replica of this plan on ``channel``."""
+        """The replica of this plan on ``channel``.
+
+        Its training streams end when ``abort`` is set: a rank waiting for samples (a buffer
+        no producer fills) would otherwise never reach the collective that notices the failure.
+        """
         return Replica(
             model=self.model,
             channel=channel,
-            train_batches=self.train_batches,
+            train_batches=stop_aware_batches(self.train_batches, abort),
             validation_batches=self.validation_batches,
             settings=self.settings,
             device=self.device,
@@ -276,12 +282,14 @@ class RankPlan:
 
 
 def _check_fp16_strategy(settings: TrainingSettings, strategy: SyncStrategy) -> None:
+    """Refuse fp16 with a strategy that steps on the root alone; on every rank alike (the
+    strategy was agreed on, the precision is the run's)."""
     if settings.precision == "fp16" and not strategy.steps_on_every_rank:
         msg = (
             f"precision='fp16' needs a strategy that steps on every rank (all_reduce), "
             f"not {strategy.name!r}: only the root would see the summed gradients' overflows"
         )
-        raise ConfigurationError(msg)
+        raise mark_detected_by_every_rank(ConfigurationError(msg))
 
 
 def _share_saved(
@@ -331,7 +339,9 @@ async def open_replica(
             if rngs:
                 rngs[0].restore()
         boundary = _boundary(plan, None, plan.save is not None)
-        yield plan.replica(SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.saved)
+        yield plan.replica(
+            SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.saved, abort
+        )
         return
     store, root_host = await connect()
 
@@ -356,6 +366,11 @@ async def open_replica(
         try:
             module = plan.model.module
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
+            # Before anything runs that only some settings start (a broadcast of a scheduler's
+            # state, say): ranks that differ would wait on each other until collective_timeout.
+            collectives.check_agreement(
+                "the settings every rank must hold alike", settings.every_rank_fingerprint()
+            )
             _check_fp16_strategy(settings, strategy)
             saved = _share_saved(collectives, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
@@ -377,7 +392,7 @@ async def open_replica(
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
-        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved)
+        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

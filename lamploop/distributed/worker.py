@@ -9,7 +9,10 @@ cancellably: when the control channel fails, the awaiting task is cancelled,
 :func:`run_on_worker` sets the rank's :class:`~lamploop.sync.collectives.AbortSignal`,
 and the worker, whose every collective wait looks at that signal between short slices,
 gives up within a slice.  The cancellation then goes on; the control channel raises the
-error that names the lost rank.
+error that names the lost rank.  Unless the worker had failed by then with an error that
+every rank detects itself (a NaN loss...: see :mod:`lamploop.errors`): that error is raised
+instead of the cancellation it outlived, since the cancellation came from another rank
+failing alike.
 
 What runs where::
 
@@ -29,6 +32,7 @@ from typing import TypeVar, cast
 import anyio
 import anyio.to_thread
 
+from lamploop.errors import error_detected_by_every_rank
 from lamploop.sync.collectives import AbortSignal
 
 __all__ = ["EpochRunner", "run_here", "run_on_worker", "worker_runner"]
@@ -47,7 +51,8 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     """Call ``work`` on a worker thread; if the awaiting task is cancelled, set ``abort``.
 
     Returns what ``work`` returns and raises what it raises; on cancellation, waits for the
-    worker to give up (it does within a collective's wait slice) and re-raises the cancellation.
+    worker to give up (it does within a collective's wait slice) and re-raises the cancellation,
+    unless the worker failed with an error that every rank detects itself: that one wins.
     """
     outcome: list[tuple[bool, object]] = []
     finished = anyio.Event()
@@ -63,13 +68,24 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
             await anyio.to_thread.run_sync(call)
         finished.set()
 
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(in_worker)
-        try:
-            await finished.wait()
-        except anyio.get_cancelled_exc_class():
-            abort.set("the run was cancelled on this rank (the control channel failed or the caller gave up)")
-            raise
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(in_worker)
+            try:
+                await finished.wait()
+            except anyio.get_cancelled_exc_class():
+                abort.set(
+                    "the run was cancelled on this rank (the control channel failed or the caller gave up)"
+                )
+                raise
+    except anyio.get_cancelled_exc_class():
+        # The worker has ended (its thread was waited for, shielded): its own verdict, if every
+        # rank reaches it, outranks a cancellation caused by another rank failing alike.
+        failed = outcome and not outcome[0][0]
+        own = error_detected_by_every_rank(cast(BaseException, outcome[0][1])) if failed else None
+        if own is not None:
+            raise own from None
+        raise
     ok, value = outcome[0]
     if not ok:
         raise cast(BaseException, value)

@@ -25,7 +25,13 @@ import torch
 
 from lamploop.batches import BatchStream, source_ended
 from lamploop.checks import check_positive
-from lamploop.errors import BatchError, ConfigurationError, NonFiniteLossError, StreamExhausted
+from lamploop.errors import (
+    BatchError,
+    ConfigurationError,
+    NonFiniteLossError,
+    StreamExhausted,
+    mark_detected_by_every_rank,
+)
 from lamploop.loop.batch_checks import check_finite, check_stream, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.loop.forward import BackwardSeeds, Forward, device_of
@@ -142,7 +148,7 @@ async def one_epoch(
             msg = f"{place}the streams of samples of all {channel.nranks} rank(s) ended: nothing left"
             raise StreamExhausted(msg)
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
-        raise BatchError(msg)
+        raise mark_detected_by_every_rank(BatchError(msg))  # every rank sums the same zero
     if metrics:
         return PassResult(total / count, metrics.means(metric_totals))
     return total / count
@@ -267,6 +273,10 @@ class _TrainingPass:
                 counts, wants_checkpoint, wants_stop, *step_losses = pending.wait()
                 global_count, checkpoint, stop = int(counts), int(wants_checkpoint), int(wants_stop)
             if global_count == 0:
+                if stop and self.boundary is not None:
+                    # Every rank waited for a batch when a stop was requested (no producer yet,
+                    # or a stalled one): stop at this boundary (DESIGN.md section 8).
+                    await self._at_boundary(sync, stop=True)
                 break
             if self.exact_units:  # also on a rank without a batch: every rank's scale is 1.0
                 expected = global_count

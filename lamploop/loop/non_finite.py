@@ -5,6 +5,9 @@ of the step rides in the per-step sum of example counts, in a slot of its own (s
 :meth:`lamploop.sync.channel.TensorChannel.begin_all_reduce_sum`), so every rank learns,
 from the same numbers, whether any rank's loss was bad and which: all raise alike, or
 all skip the step alike.  With one rank on the CPU the loss is already a host number.
+The error is one that every rank detects itself
+(:attr:`~lamploop.errors.LamploopError.detected_by_every_rank`), so each rank raises its
+own, never the abort message of the first rank to raise it.
 
 >>> check_policy("skip_step")
 'skip_step'

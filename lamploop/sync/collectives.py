@@ -23,7 +23,7 @@ from typing import Any, Final, TypeAlias
 import torch
 import torch.distributed as dist
 
-from lamploop.errors import DistributedError
+from lamploop.errors import DistributedError, mark_detected_by_every_rank
 from lamploop.sync.abandon import abandon
 
 __all__ = [
@@ -269,7 +269,8 @@ class Collectives:
                 f"the ranks disagree on {label}: {self.nranks - agreeing} of {self.nranks} differ "
                 f"from rank 0's {root_value!r}{mismatch}"
             )
-            raise DistributedError(msg)
+            # Every rank holds the same sum: every rank raises this, not the abort it causes.
+            raise mark_detected_by_every_rank(DistributedError(msg))
 
 
 class Pending:

@@ -20,10 +20,12 @@ checkpoint, so that a restarted job carries on by itself.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import re
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from pathlib import Path
@@ -75,6 +77,7 @@ from lamploop.modelspec import model_spec
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import CheckpointWritten, PeerLost, RunFailed, RunStopped
 from lamploop.reporting.logging_reporter import LoggingReporter
+from lamploop.reporting.progress import ProgressReporter
 from lamploop.reporting.reporter import Reporter, close_all, start_all
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import (
@@ -159,6 +162,13 @@ def _auto_device(nranks: int, local_rank: int) -> torch.device:
     if nranks == 1 and mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _default_reporter() -> Reporter:
+    """Live progress bars when stderr is a terminal and rich is installed, else a line per epoch."""
+    if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
+        return ProgressReporter(sys.stderr)
+    return LoggingReporter()
 
 
 def _device(device: torch.device | str) -> torch.device:
@@ -318,7 +328,9 @@ async def fit_async(
             them itself (default: this process's command line).
         heartbeat_interval, heartbeat_timeout: the control channel's; a rank silent for
             ``heartbeat_timeout`` seconds (dead, frozen or cut off) ends the run everywhere.
-        reporters: who hears about the run (default: a :class:`LoggingReporter`).
+        reporters: who hears about the run (default: live progress bars, a
+            :class:`~lamploop.reporting.ProgressReporter` on stderr, when stderr is a terminal
+            and rich is installed; else a :class:`LoggingReporter`, a line per epoch).
         checkpoint_every_n_steps, checkpoint_every_seconds: also checkpoint inside epochs,
             at the step boundary after every N steps or T seconds (needs ``checkpoint_dir``).
         on_non_finite_loss: ``"raise"`` (default) stops at the step whose loss is NaN or
@@ -421,7 +433,7 @@ async def fit_async(
     save = None
     if checkpoint_dir is not None:
         save = Checkpointer(checkpoint_dir, keep_last=keep_last, extras=run_extras)
-    listeners = list(reporters) if reporters is not None else [LoggingReporter()]
+    listeners = list(reporters) if reporters is not None else [_default_reporter()]
     emit = EventEmitter(listeners)
 
     async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:

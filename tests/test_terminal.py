@@ -153,3 +153,37 @@ def test_ctrl_c_on_a_terminal_says_one_line(tmp_path: Path) -> None:
         r"lamploop: stopped by SIGINT at epoch \d+ after step \d+; a checkpoint was written there", said[0]
     ), said
     assert "Traceback" not in term.output.decode(errors="replace")
+
+
+FIT_SCRIPT = """
+import torch, lamploop
+torch.manual_seed(0)
+x, y = torch.randn(1024, 16), torch.randint(0, 3, (1024,))
+module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+lamploop.fit(
+    model=lamploop.SupervisedModel(module),
+    optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.05),
+    train_batches=lamploop.tensor_batches(x, y, batch_size=8),
+    max_epochs=2,
+)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_fit_shows_progress_bars_by_default_on_a_terminal_and_lines_in_a_pipe(tmp_path: Path) -> None:
+    term = Terminal([sys.executable, "-c", FIT_SCRIPT], tmp_path)
+    try:
+        term.read_until(None, timeout=100)
+        assert term.proc.wait(timeout=20) == 0
+    finally:
+        term.close()
+    assert "━".encode() in term.output  # rich's bar, with no reporter asked for
+    screen = _screen(term.output)
+    assert [line.split(":")[0] for line in screen if line.startswith("epoch ")] == ["epoch 0", "epoch 1"]
+    piped = subprocess.run(
+        [sys.executable, "-c", FIT_SCRIPT], cwd=tmp_path, capture_output=True, timeout=100, check=True
+    )
+    assert b"\x1b" not in piped.stderr
+    assert [line.split(":")[:2] for line in piped.stderr.decode().splitlines() if "epoch 0:" in line] == [
+        ["lamploop", " epoch 0"]
+    ]

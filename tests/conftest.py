@@ -3,8 +3,10 @@
 ``nox -s tests`` runs the suite in two phases: every test not marked ``serial`` on several
 pytest-xdist workers side by side (most multi-process tests spend their time waiting for
 processes to start and for timeouts, not computing), then the ``serial`` ones alone, one
-after the other: the modules below time a detection, a stop or a heartbeat bound, or load
-the CPU on purpose, and must not share the machine with other tests.
+after the other: the modules below assert a tight bound on a detection, a stop or a
+heartbeat (a second or a few), or load the CPU on purpose, and must not share the machine
+with other tests. Fault tests with generous bounds (tens of seconds: test_graceful_stop's
+SIGKILLs, test_multinode's namespaces) run in the parallel phase.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ SERIAL_MODULES = frozenset(
         "test_control_tcp",
         "test_fault",
         "test_federated_faults",
-        "test_graceful_stop",
         "test_liveness_defaults",
         "test_local_parallel_faults",
-        "test_multinode",
         "test_reliability",
         "test_stop_while_waiting",
     }

@@ -6,8 +6,9 @@
 drops it reconnects with backoff, and the receiver's Welcome says which seq it holds up
 to: everything after it is resent, in order.  :class:`BlockingProducer` is the same for
 plain (synchronous) simulation codes: it runs an event loop on a thread of its own
-(:func:`anyio.from_thread.start_blocking_portal`).  Samples sent in a row leave in batches
-(one ``"samples"`` frame of up to 256 KiB, within the receiver's frame limit).
+(:func:`anyio.from_thread.start_blocking_portal`), to which the caller's thread hands its
+samples a chunk at a time.  Samples sent in a row leave in batches (one ``"samples"`` frame
+of up to 32 samples or 2 MiB, within the receiver's frame limit).
 
 A producer knows one address.  When the trainer has several ranks, the receiver there may
 answer with a :class:`~lamploop.streaming.wire.Redirect` to the rank's receiver assigned to
@@ -27,12 +28,16 @@ receiver refuses, and the producer fails saying which seqs are missing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import ssl
 import sys
+import threading
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -82,16 +87,42 @@ from lamploop.streaming.wire import (
     samples_frame_bytes,
 )
 
-__all__ = ["BLOCKING_AHEAD", "AsyncProducer", "BlockingProducer", "ProducerStats"]
+__all__ = [
+    "BLOCKING_AHEAD",
+    "BLOCKING_AHEAD_BYTES",
+    "HANDOVER_BYTES",
+    "HANDOVER_DELAY_S",
+    "HANDOVER_SAMPLES",
+    "AsyncProducer",
+    "BlockingProducer",
+    "ProducerStats",
+]
 
 logger = logging.getLogger("lamploop.streaming")
 
 _WRITE_BATCH_BYTES = 256 * 1024
-"""A batch frame is cut at this many bytes of samples (a small multiple of a large sample, so
-that the receiver's zero-copy views of a frame do not pin much more than the sample)."""
+_WRITE_BATCH_SAMPLES = 32
+_WRITE_MAX_BYTES = 2 * 1024 * 1024
+"""A batch frame is cut once it holds 256 KiB of samples and at least 32 samples, or 2 MiB: a
+frame's fixed costs (some 100-200 µs of Python at the receiver, whatever its size) spread over
+many samples, also large ones (the receiver copies a frame of more than 8 samples in runs of 8,
+so that a sample it keeps holds no more than its run's memory)."""
 
-BLOCKING_AHEAD = 32
-"""How many samples a :class:`BlockingProducer`'s caller may hand over before the loop keeps them."""
+HANDOVER_SAMPLES = 64
+HANDOVER_BYTES = 1024 * 1024
+HANDOVER_DELAY_S = 0.002
+"""A :class:`BlockingProducer` hands the samples sent on the caller's thread to its event loop in
+chunks: at once when 64 samples or 1 MiB wait, else 2 ms after the first of them was sent."""
+
+BLOCKING_AHEAD = 4 * HANDOVER_SAMPLES
+BLOCKING_AHEAD_BYTES = 4 * HANDOVER_BYTES
+"""A :class:`BlockingProducer`'s :meth:`~BlockingProducer.send` waits while this many samples
+(or bytes: 4 MiB) sent on the caller's thread are not kept by the producer yet (its resend
+window is full): with the window, they bound the memory a simulation's samples take."""
+
+_WAIT_SLICE_S = 0.05
+"""The longest single wait of a blocking producer's caller for its event loop (a failure is noticed
+by then even if nothing wakes the caller)."""
 _FIRST_BACKOFF, _MAX_BACKOFF = 0.05, 1.0
 
 
@@ -110,6 +141,12 @@ class ProducerStats:
     resent: int
     skipped: int
     connections: int
+
+
+def _frame_full(count: int, size: int, more: int = 0) -> bool:
+    """Whether a frame of ``count`` samples of ``size`` bytes is cut before ``more`` bytes."""
+    total = size + more
+    return total > _WRITE_BATCH_BYTES and (count >= _WRITE_BATCH_SAMPLES or total > _WRITE_MAX_BYTES)
 
 
 class _Signal:
@@ -237,6 +274,7 @@ class AsyncProducer:
         self._done_requested = self._finished = False
         self._sent = self._resent = self._skipped = self._connections = 0
         self._unsent = self._unsent_bytes = 0  # kept since the writer last took a batch: when to yield
+        self._writer_idle = False  # the writer waits for samples
 
     # -- what the owner reads --
 
@@ -279,9 +317,10 @@ class AsyncProducer:
 
         Returns once the sample is kept for sending: waits while ``resend_window`` samples
         are unacknowledged.  The tensors are copied (encoded) before it returns.  It yields to
-        other tasks (and can be cancelled, taking nothing) when it waits, and at least once per
-        frame's worth of samples (256 KiB, or a quarter of ``resend_window``); the samples in
-        between are kept without a task switch.
+        other tasks (and can be cancelled, taking nothing) when it waits, and when a frame's
+        worth of samples (256 KiB and 32 samples, or half of ``resend_window``) waits for
+        the connection's writer while that writer is idle; the samples in between are kept
+        without a task switch (while the writer sends, at most ``resend_window`` of them).
 
         Raises:
             TypeError, ValueError: ``tensors`` is not a non-empty mapping of str to tensors.
@@ -303,11 +342,11 @@ class AsyncProducer:
         """Keep ``payload`` as the next seq's sample once the window has room; the seq."""
         self._check_open("send()")
         # Kept without switching tasks, so that samples sent in a row leave in one frame when
-        # the caller next waits; but once a frame's worth (or a quarter of the window) waits,
-        # the writer gets its turn first, so that the receiver takes a batch while the caller
-        # makes the next one, instead of both waiting in turn for a full window.  Only then is
-        # send() a checkpoint (a cancellation point): anyio's checkpoints cost more than the rest
-        # of a send.
+        # the caller next waits; but once a frame's worth (or half the window) waits for an idle
+        # writer, the writer gets its turn first, so that the receiver takes a batch while the
+        # caller makes the next one, instead of both waiting in turn for a full window.  Only
+        # then is send() a checkpoint (a cancellation point): anyio's checkpoints cost more than
+        # the rest of a send (and while the writer sends, yielding to it would gain nothing).
         if self._queued == 0 and self._has_room() and self._writer_due():
             await anyio.lowlevel.checkpoint()  # cancelled here, the sample is not taken
             self._check_open("send()")
@@ -325,8 +364,81 @@ class AsyncProducer:
         finally:
             self._queued -= 1
 
+    async def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
+        """:meth:`send` each of ``samples`` (each a mapping of names to tensors), in order; their seqs.
+
+        The same as a loop of :meth:`send` (the same waits and errors), with fewer task switches:
+        the samples are encoded and kept a chunk at a time (64 samples or 1 MiB).  Cancelled or
+        failing part of the way, it has kept the samples before the one it stopped at
+        (:attr:`next_seq` tells how many).
+        """
+        seqs: list[int] = []
+        chunk: list[bytes] = []
+        size = 0
+        for tensors in samples:
+            self._check_open("send()")
+            payload = encode_tensors(tensors)
+            self._check_size(self._next_seq, payload)
+            chunk.append(payload)
+            size += len(payload)
+            if len(chunk) >= HANDOVER_SAMPLES or size >= HANDOVER_BYTES:
+                first = await self._submit_many(chunk)
+                seqs.extend(range(first, first + len(chunk)))
+                chunk, size = [], 0
+        if chunk:
+            first = await self._submit_many(chunk)
+            seqs.extend(range(first, first + len(chunk)))
+        return seqs
+
+    async def _submit_many(
+        self,
+        payloads: Sequence[bytes],
+        first_seq: int | None = None,
+        on_kept: Callable[[int], None] | None = None,
+    ) -> int:
+        """Keep ``payloads`` (their sizes checked: :meth:`_check_size`) as the next seqs, in order,
+        each once the window has room; the first one's seq.
+
+        What fits is kept at once, without switching tasks (but an idle writer gets its turn once
+        a frame's worth waits); ``on_kept(n)`` is told after each run of ``n`` kept.  Cancelled
+        while waiting, the samples not kept yet are not taken.
+        """
+        self._check_open("send()")
+        index = 0
+        self._queued += 1  # no sender overtakes these by _submit's path
+        try:
+            async with self._send_lock:
+                first = self._next_seq
+                while index < len(payloads):
+                    if not self._has_room():
+                        with self._sup.waiting():
+                            while not self._has_room():
+                                self._sup.raise_failure()
+                                await self._changed.wait()
+                        self._check_open("send()")
+                    expected = None if first_seq is None else first_seq + index
+                    if self._next_seq <= self._acked:  # held by the receiver already: one by one
+                        self._keep(payloads[index], expected)
+                        stop = index + 1
+                    else:
+                        stop = min(len(payloads), index + self._window - self.unacknowledged)
+                        self._keep_run(payloads[index:stop], expected)
+                    if on_kept is not None:
+                        on_kept(stop - index)
+                    index = stop
+                    if self._writer_due():
+                        await anyio.lowlevel.checkpoint()  # the writer takes a frame
+                        self._check_open("send()")
+        finally:
+            self._queued -= 1
+        return first
+
     def _writer_due(self) -> bool:
-        return self._unsent_bytes >= _WRITE_BATCH_BYTES or self._unsent * 4 >= self._window
+        """Whether the writer waits for samples and a frame's worth waits for it (while it sends,
+        or with no connection, a sender's yielding would only cost a loop iteration per sample)."""
+        return self._writer_idle and (
+            _frame_full(self._unsent, self._unsent_bytes) or self._unsent * 2 >= self._window
+        )
 
     def _has_room(self) -> bool:
         return self._next_seq <= self._acked or self.unacknowledged < self._window
@@ -354,6 +466,19 @@ class AsyncProducer:
         self._unsent += 1
         self._changed.notify()
         return seq
+
+    def _keep_run(self, payloads: Sequence[bytes], expected_seq: int | None) -> None:
+        """:meth:`_keep` each of ``payloads`` (sizes checked, room in the window, none held by the
+        receiver), in one step."""
+        seq = self._next_seq
+        if expected_seq is not None and expected_seq != seq:  # only after an earlier send failed
+            msg = f"producer {self.name!r}: sample {expected_seq} would go out as {seq}"
+            raise StreamingError(msg)
+        self._next_seq = seq + len(payloads)
+        self._frames.extend(zip(range(seq, self._next_seq), payloads, strict=True))
+        self._unsent_bytes += sum(map(len, payloads))
+        self._unsent += len(payloads)
+        self._changed.notify()
 
     async def done(self) -> None:
         """Send Done once every sample is sent, and wait until the receiver acknowledged them all.
@@ -641,7 +766,7 @@ class AsyncProducer:
             payload = self._frames[index][1]
             more = len(payload) + 7
             if payloads and (
-                size + more > _WRITE_BATCH_BYTES
+                _frame_full(len(payloads), size, more)
                 or header + 21 * (len(payloads) + 1) + size + more > self._receiver_limit
             ):
                 break
@@ -681,7 +806,11 @@ class AsyncProducer:
                     await self._send(conn, encode_frame(Done(self._next_seq - 1)))
                     session.done_sent = True
                 stuck.deadline = math.inf
-                await self._changed.wait()
+                self._writer_idle = True
+                try:
+                    await self._changed.wait()
+                finally:
+                    self._writer_idle = False
         raise _Retry(f"sending to {self._receiver} took over {self._ack_timeout:g} s")
 
     async def _send(self, conn: FramedStream, data: bytes) -> None:
@@ -734,14 +863,18 @@ class BlockingProducer:
     ``with BlockingProducer(address, name=..., token=...) as producer:`` starts an event
     loop on a thread of its own (:func:`anyio.from_thread.start_blocking_portal`), which keeps
     the connection while the caller computes.  :meth:`send` encodes the sample on the
-    caller's thread and hands it over without waiting for the loop, up to
-    :data:`BLOCKING_AHEAD` samples ahead of it; past that (the window is full) it waits.
-    Leaving the block normally calls :meth:`done`; a failure in the background is raised by
-    the next :meth:`send` or :meth:`done`, or on leaving: a receiver that is gone fails the
-    producer ``reconnect_timeout`` seconds after it was last reached, also while samples handed
-    over wait for room in the window.  A block that ends with an exception leaves without
-    waiting for them (they are dropped, as unacknowledged samples are).  One thread at a time
-    may use it; not for use from inside an event loop (use :class:`AsyncProducer` there).
+    caller's thread and puts it with the ones sent before it, without waiting for the loop; the
+    loop takes them in chunks (at once when :data:`HANDOVER_SAMPLES` samples or
+    :data:`HANDOVER_BYTES` bytes wait, else :data:`HANDOVER_DELAY_S` after the first of them), so
+    that the caller and the loop meet once a chunk, not once a sample.  :meth:`flush` hands over
+    at once what waits.  Past :data:`BLOCKING_AHEAD` samples (or :data:`BLOCKING_AHEAD_BYTES`)
+    not kept by the loop yet (its resend window is full: the receiver takes nothing), ``send``
+    waits.  Leaving the block normally calls :meth:`done`; a failure in the background is raised
+    by the next :meth:`send`, :meth:`flush` or :meth:`done`, or on leaving: a receiver that is
+    gone fails the producer ``reconnect_timeout`` seconds after it was last reached, also while
+    samples sent wait for room in the window.  A block that ends with an exception leaves
+    without waiting for them (they are dropped, as unacknowledged samples are).  One thread at
+    a time may use it; not for use from inside an event loop (use :class:`AsyncProducer` there).
     """
 
     def __init__(self, address: tuple[str, int], *, name: str, token: bytes | str, **options: Any) -> None:
@@ -752,7 +885,19 @@ class BlockingProducer:
         self._leave: anyio.Event | None = None
         self._abandon = False
         self._next_seq = self._producer.next_seq
-        self._handed: deque[Future[int]] = deque()  # samples handed to the loop, not yet kept
+        # What the caller's thread and the loop's share, under _lock:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # the loop kept samples, or failed
+        self._inbox: list[bytes] = []  # sent, not taken by the loop yet: seqs _inbox_seq, ...
+        self._inbox_seq = self._next_seq
+        self._inbox_bytes = 0
+        self._inbox_since = 0.0  # when the first of them was sent (time.monotonic)
+        self._poked = self._urgent = False  # the loop was told that samples wait / that a chunk is full
+        self._looking = False  # the loop looks at the inbox every HANDOVER_DELAY_S: no poke needed
+        self._in_hand = self._in_hand_bytes = 0  # taken by the loop, not kept yet (the window is full)
+        self._error: BaseException | None = None  # the loop's, raised to the caller
+        self._wake: anyio.Event | None = None  # the loop's side of a poke (made on the loop)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the portal's, when asyncio
 
     @property
     def name(self) -> str:
@@ -790,14 +935,105 @@ class BlockingProducer:
     async def _host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """The async producer's block, on the portal's loop, until the blocking block ends."""
         assert self._leave is not None
+        self._wake = anyio.Event()
+        with contextlib.suppress(RuntimeError):  # asyncio, the portal's backend (else: portal tasks)
+            self._loop = asyncio.get_running_loop()
         try:
             async with self._producer:
-                task_status.started()
-                await self._leave.wait()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._collect)
+                    task_status.started()
+                    await self._leave.wait()
+                    tg.cancel_scope.cancel()  # idle when leaving normally: the caller waited for it
                 if self._abandon and self._producer._sup.failure is None:  # else leaving raises it
                     raise _Abandoned
         except _Abandoned:
             pass
+
+    async def _collect(self) -> None:
+        """The loop's side: take the samples the caller sent, a chunk at a time, and keep them."""
+        try:
+            while True:
+                assert self._wake is not None
+                await self._wake.wait()  # the caller sent a sample while the loop did not look
+                self._wake = anyio.Event()
+                # While samples come, look again every HANDOVER_DELAY_S (or at once when a chunk
+                # is full: the caller pokes again), without the caller poking for each chunk.
+                while True:
+                    with self._lock:
+                        since = self._inbox_since if self._inbox else time.monotonic()
+                        delay = 0.0 if self._urgent else since + HANDOVER_DELAY_S - time.monotonic()
+                    if delay > 0:
+                        with anyio.move_on_after(delay):
+                            await self._wake.wait()
+                        self._wake = anyio.Event()
+                    with self._lock:
+                        chunk, first = self._inbox, self._inbox_seq
+                        self._inbox = []
+                        self._inbox_seq += len(chunk)
+                        self._in_hand, self._in_hand_bytes = len(chunk), self._inbox_bytes
+                        self._inbox_bytes = 0
+                        self._poked = self._urgent = False
+                        self._looking = bool(chunk)  # else the next sample pokes
+                    if not chunk:
+                        break
+                    await self._keep_chunk(chunk, first)
+        except Exception as exc:  # the producer failed, or a bug: the caller raises it
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+        finally:
+            with self._lock:
+                self._changed.notify_all()
+
+    async def _keep_chunk(self, chunk: list[bytes], first: int) -> None:
+        done = 0
+
+        def kept(count: int) -> None:  # runs of them kept: the caller may send more
+            nonlocal done
+            size = sum(len(payload) for payload in chunk[done : done + count])
+            done += count
+            with self._lock:
+                self._in_hand -= count
+                self._in_hand_bytes -= size
+                self._changed.notify_all()
+
+        await self._producer._submit_many(chunk, first, on_kept=kept)
+
+    def _poke(self) -> None:
+        """Tell the loop that samples wait (from the caller's thread).
+
+        With the portal's asyncio loop, a callback scheduled from this thread (a few µs); a
+        portal task would cost some 45 µs.
+        """
+        with contextlib.suppress(RuntimeError):  # the loop stopped: the next wait raises why
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._set_wake)
+            elif self._portal is not None:
+                self._portal.start_task_soon(self._set_wake_async)
+
+    def _set_wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _set_wake_async(self) -> None:
+        self._set_wake()
+
+    def _raise_locked(self, what: str) -> None:
+        """Raise the loop's failure, if any (the caller holds _lock)."""
+        if self._error is not None:
+            raise self._error
+        self._producer._sup.raise_failure()
+        if self._producer._done_requested:
+            msg = f"producer {self.name!r}: {what} after done()"
+            raise StreamingError(msg)
+        hosting = self._hosting
+        if hosting is not None and hosting.done():
+            failure = None if hosting.cancelled() else hosting.exception()
+            if failure is not None:
+                raise failure
+            msg = f"producer {self.name!r}: its event loop ended"
+            raise StreamingError(msg)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -812,16 +1048,14 @@ class BlockingProducer:
             abandon = exc is not None
             try:
                 if not abandon:
-                    self._settle(0)  # raises the producer's failure (within reconnect_timeout)
+                    self._settle("leaving the block")  # raises a failure (within reconnect_timeout)
             except BaseException:
                 abandon = True
                 raise
             finally:
                 self._abandon = abandon
                 if abandon:  # samples not kept yet are dropped, not waited for (a full window)
-                    for future in self._handed:
-                        future.cancel()
-                    self._handed.clear()
+                    self._drop()
                 if not hosting.done():
                     portal.call(leave.set)
             try:
@@ -837,13 +1071,19 @@ class BlockingProducer:
             # Interrupted while waiting (KeyboardInterrupt...): nothing is waited for any more,
             # so that joining the portal is quick.
             hosting.cancel()
-            for handed in self._handed:
-                handed.cancel()
-            self._handed.clear()
+            self._drop()
             raise
         finally:
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
+
+    def _drop(self) -> None:
+        """Forget the samples not taken by the loop yet (leaving on an error)."""
+        with self._lock:
+            self._inbox = []
+            self._inbox_bytes = 0
+            self._poked = self._urgent = False
+            self._changed.notify_all()
 
     def _portal_or_fail(self, what: str) -> anyio.from_thread.BlockingPortal:
         if self._portal is None:
@@ -851,25 +1091,84 @@ class BlockingProducer:
             raise StreamingError(msg)
         return self._portal
 
-    def _settle(self, ahead: int) -> None:
-        """Wait until at most ``ahead`` handed samples are not kept yet; raise the first error."""
-        self._producer._sup.raise_failure()  # a failure met meanwhile, at once
-        while self._handed and (len(self._handed) > ahead or self._handed[0].done()):
-            self._handed.popleft().result()
+    def _settle(self, what: str) -> None:
+        """Hand over what waits at once, and wait until the loop kept it; raise the first error.
+
+        Every wait is a slice of :data:`_WAIT_SLICE_S`: the loop's failure (a receiver unreachable
+        for ``reconnect_timeout``) ends it, even if nothing wakes this thread.
+        """
+        poke = False
+        with self._lock:
+            if self._inbox and not self._urgent:
+                self._urgent = poke = True
+        if poke:
+            self._poke()
+        with self._lock:
+            while self._inbox or self._in_hand:
+                self._raise_locked(what)
+                self._changed.wait(_WAIT_SLICE_S)
+            if self._error is not None:
+                raise self._error
+            self._producer._sup.raise_failure()
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        """As :meth:`AsyncProducer.send`; waits while the window is full (and the loop behind)."""
-        portal = self._portal_or_fail("send()")
-        self._settle(BLOCKING_AHEAD)  # raises a failure met meanwhile
-        seq = self._next_seq
+        """As :meth:`AsyncProducer.send`: the sample's seq.
+
+        The sample is encoded (copied) on this thread before it returns, and handed to the loop
+        with the ones sent around it; it waits while :data:`BLOCKING_AHEAD` samples (or
+        :data:`BLOCKING_AHEAD_BYTES`) sent are not kept yet (the window is full).
+        """
+        producer = self._producer
+        if self._portal is None:
+            self._portal_or_fail("send()")
+        if self._error is not None or producer._sup.failure is not None or producer._done_requested:
+            with self._lock:
+                self._raise_locked("send()")
         payload = encode_tensors(tensors)  # on this thread, in parallel with the loop's work
-        self._producer._check_size(seq, payload)
-        self._handed.append(portal.start_task_soon(self._producer._submit, payload, seq))
-        self._next_seq += 1
+        size = len(payload)
+        if producer._header_bound + size + 7 > producer._max_frame_bytes:  # else surely under it
+            producer._check_size(self._next_seq, payload)
+        poke = False
+        with self._lock:
+            while (self._inbox or self._in_hand) and (
+                len(self._inbox) + self._in_hand >= BLOCKING_AHEAD
+                or self._inbox_bytes + self._in_hand_bytes + size > BLOCKING_AHEAD_BYTES
+            ):
+                self._raise_locked("send()")
+                self._changed.wait(_WAIT_SLICE_S)
+            if self._error is not None or producer._sup.failure is not None:
+                self._raise_locked("send()")
+            seq = self._next_seq
+            inbox = self._inbox
+            inbox.append(payload)
+            self._inbox_bytes += size
+            self._next_seq = seq + 1
+            if len(inbox) == 1:  # the first one since the loop last took them
+                self._inbox_since = time.monotonic()
+                if not self._looking and not self._poked:
+                    self._poked = poke = True
+            if not self._urgent and (len(inbox) >= HANDOVER_SAMPLES or self._inbox_bytes >= HANDOVER_BYTES):
+                self._urgent = poke = True  # a chunk's worth: at once
+        if poke:
+            self._poke()
         return seq
 
+    def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
+        """:meth:`send` each of ``samples``, in order; their seqs."""
+        return [self.send(tensors) for tensors in samples]
+
+    def flush(self) -> None:
+        """Hand the samples sent so far to the loop now, and wait until it kept them (it sends
+        them, and resends them if need be); waits while the window is full, as :meth:`send`.
+
+        Raises:
+            StreamingError: the producer failed, is done, or is not entered.
+        """
+        self._portal_or_fail("flush()")
+        self._settle("flush()")
+
     def done(self) -> None:
-        """As :meth:`AsyncProducer.done`."""
+        """As :meth:`AsyncProducer.done` (what was sent is handed over first)."""
         portal = self._portal_or_fail("done()")
-        self._settle(0)
+        self._settle("done()")
         portal.call(self._producer.done)

@@ -41,9 +41,12 @@ belongs, an integer out of range, a payload on a message that has none, sizes th
 match the payload, tensors that do not decode are all :class:`~lamploop.errors.FrameError`;
 a :class:`FrameDecoder` also refuses a frame over its size limit at the 4-byte header
 (before buffering the body), and, on a producer's connection, a sample of another producer
-or a seq that does not increase.  Decoded tensors are views of the frame's bytes, without a
-copy, except for samples much smaller than their frame (copied out, so that one sample kept
-long in a buffer does not hold a whole frame's memory).
+or a seq that does not increase.  The samples of a batch that share one safetensors header
+are decoded together (a few torch calls per tensor name, not per sample).  Decoded tensors
+are views of the frame's bytes, without a copy, except in a frame of more than 8 samples and
+64 KiB, whose runs of that many are copied once each, and for samples much smaller than a
+frame of samples of several kinds (copied out): one sample kept long in a buffer holds its
+run's memory, not a whole frame's.
 
 The proofs reuse the control channel's HMAC (:func:`lamploop.control.wire.token_proof`) with
 labels of their own, so a proof of one kind is never accepted as another.
@@ -71,6 +74,7 @@ from lamploop.errors import ConfigurationError, FrameError, StreamingError
 from lamploop.streaming.tensor_bytes import (
     Signature,
     address_of,
+    decode_rows,
     decode_tensors,
     decode_tensors_signed,
     encode_tensors,
@@ -134,7 +138,13 @@ _PROOF_CHARS = 128
 _ALIGN = 8
 _PADDING = bytes(_ALIGN)
 _COPY_BELOW_SHARE = 8
-"""A sample under 1/8 of its frame's body is copied out of the frame, not viewed in it."""
+"""A sample under 1/8 of its frame's body is copied out of the frame, not viewed in it (frames
+whose samples differ in size or kind: they are decoded one by one)."""
+_GROUP_SAMPLES = 8
+_GROUP_BYTES = 64 * 1024
+"""A frame of samples of one kind is decoded as a whole: its samples' tensors are views of the
+frame when it holds at most 8 samples or 64 KiB, else views of copies of runs of that many
+(8 samples or 64 KiB, whichever is more), so that a sample kept long holds no more than its run."""
 
 
 def check_producer_name(value: object) -> str | None:
@@ -428,7 +438,9 @@ def decode_body(body: bytes | bytearray) -> Message:
     """The message in one frame's body (without the length prefix).
 
     A batch's tensors are views of ``body`` when it is a ``bytearray`` (they keep it alive),
-    except for samples under 1/8 of the body, which are copied out; from ``bytes``, copies.
+    except in a batch of more than 8 samples and 64 KiB of one kind, whose runs of that many
+    are copied first (one copy per run), and for samples under 1/8 of a body of samples of
+    several kinds, which are copied out; from ``bytes``, copies.
 
     Raises:
         FrameError: the header is not a JSON object of a known type with exactly its fields
@@ -506,6 +518,13 @@ def _decode_samples(
             f"the payload has {len(body) - start}"
         )
         raise FrameError(msg)
+    if len(sizes) > 1 and sizes.count(sizes[0]) == len(sizes):  # the usual frame: samples of one kind
+        stride = sizes[0] + (-sizes[0] % _ALIGN)
+        group = max(_GROUP_SAMPLES, _GROUP_BYTES // max(stride, 1))
+        rows = decode_rows(body, start, len(sizes), stride, sizes[0], group=group)
+        if rows is not None:
+            decoded, signature = rows
+            return decoded, [signature] * len(decoded)
     samples = []
     signatures = []
     address = address_of(body)

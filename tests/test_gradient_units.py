@@ -216,9 +216,9 @@ def test_the_registered_strategies_say_which_reduce_linearly() -> None:
     collectives = Collectives(group, rank=0, nranks=1, device=cpu, timeout=20.0)
     module = torch.nn.Linear(8, 8)
     got: dict[str, bool] = {}
-    for name in lamploop.strategy_names():
-        if name.startswith("recording_"):
-            continue
+    built_in = ("all_reduce", "all_reduce_bf16", "all_reduce_fp16", "diloco8", "local_sgd8")
+    built_in += ("powersgd1", "powersgd4", "reduce_to_root")
+    for name in built_in:  # other test modules register strategies of their own in this process
         strategy = lamploop.sync.strategy_named(name)
         sync = strategy.gradient_sync(collectives, list(module.parameters()), [module], bucket_cap_mb=1.0)
         got[name] = reduces_linearly(sync)

@@ -111,12 +111,18 @@ def build_model(description: ModelDescription, builders: ModelBuilders | None = 
     return module
 
 
-def build_supervised_model(plan: TrainingPlan, module: torch.nn.Module) -> SupervisedModel:
-    """``module`` with the plan's summed loss and metrics."""
+def build_supervised_model(
+    plan: TrainingPlan, module: torch.nn.Module, *, metrics: bool = True
+) -> SupervisedModel:
+    """``module`` with the plan's summed loss and metrics (none with ``metrics=False``).
+
+    A node trains without metrics (its reply carries the training loss only; the metrics
+    come from validation), which spares computing them on every training batch.
+    """
     # Any: mypy cannot see through the field's dict converter.
-    metrics: Any = {name: accuracy for name in plan.metrics if name == "accuracy"}
+    named: Any = {name: accuracy for name in plan.metrics if name == "accuracy"} if metrics else {}
     loss = cross_entropy_loss if plan.loss == "cross_entropy" else mse_loss
-    return SupervisedModel(module=module, loss=loss, metrics=metrics)
+    return SupervisedModel(module=module, loss=loss, metrics=named)
 
 
 def build_optimizer(config: OptimizerConfig, module: torch.nn.Module) -> torch.optim.Optimizer:

@@ -1,10 +1,10 @@
 """A producer of deterministic samples, for tests/test_stream_resume.py.
 
-    python tests/workers/stream_producer.py PORT NAME COUNT
+    python tests/workers/stream_producer.py PORT NAME COUNT [PACE_S]
 
 Sends COUNT samples (seq 0..COUNT-1, the same ones on every start) to 127.0.0.1:PORT,
 keeping every acknowledged one for a trainer restored from an older checkpoint, then
-Done.  The token is LAMPLOOP_STREAM_TOKEN.
+Done, one sample every PACE_S seconds (default 0.005).  The token is LAMPLOOP_STREAM_TOKEN.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def sample(name: str, seq: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     port, name, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    pace = float(sys.argv[4]) if len(sys.argv) > 4 else 0.005
     with BlockingProducer(
         ("127.0.0.1", port),
         name=name,
@@ -36,7 +37,7 @@ def main() -> None:
     ) as producer:
         for seq in range(count):
             producer.send(sample(name, seq))
-            time.sleep(0.005)
+            time.sleep(pace)
         producer.done()
     print(f"{name}: sent {count}", flush=True)
 

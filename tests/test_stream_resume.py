@@ -189,11 +189,11 @@ def test_a_producer_done_before_the_crash_is_not_waited_for_after_it(tmp_path: P
 
     first_log, second_log = tmp_path / "reads-1.log", tmp_path / "reads-2.log"
     first = trainer(first_log)
-    # The long one paces its samples (2 s in all) so that it is still sending when the trainer
+    # The long one paces its samples (8 s in all) so that it is still sending when the trainer
     # is killed, two checkpoints after the short one finished, however fast the transport is.
     short, long = (
         _start([str(WORKERS / "stream_producer.py"), str(port), name, str(n), str(pace)], token)
-        for (name, n), pace in zip(counts.items(), (0.005, 0.05), strict=True)
+        for (name, n), pace in zip(counts.items(), (0.005, 0.2), strict=True)
     )
     try:
         _wait(short, 30, "the short producer")  # done, acknowledged, gone

@@ -11,10 +11,9 @@ import pathlib
 import secrets
 import shutil
 import socket
-import struct
 import sys
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -29,6 +28,7 @@ from lamploop.checkpoint.format import (
     _FileRecord,
 )
 from lamploop.errors import CheckpointError, LamploopError
+from lamploop.safetensors_layout import safetensors_parts
 from lamploop.strict_json import fsync_dir
 
 _log = logging.getLogger("lamploop.checkpoint")
@@ -87,21 +87,6 @@ def _cpu_tensors(tensors: Mapping[Any, Any], what: str) -> dict[str, torch.Tenso
     return out
 
 
-_SAFETENSORS_DTYPES: Final[dict[torch.dtype, str]] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-"""The dtypes whose tensors :func:`_write_tensors` writes itself (safetensors' names for them)."""
-
-
 def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: str) -> _FileRecord:
     """Write ``tensors`` (contiguous, on the CPU) as a safetensors file, hashing and fsyncing it.
 
@@ -111,21 +96,9 @@ def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: s
     machine), so the event loop and its heartbeats keep running while a large checkpoint is
     written in a worker thread.  Tensors of other dtypes go through ``safetensors.torch.save``.
     """
-    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+    parts = safetensors_parts({name: tensors[name] for name in sorted(tensors)})
+    if parts is None:
         return _write_serialized(path, tensors, what)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    names = sorted(tensors)
-    offset = 0
-    for name in names:
-        tensor = tensors[name]
-        end = offset + tensor.numel() * tensor.element_size()
-        dtype = _SAFETENSORS_DTYPES[tensor.dtype]
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
-    parts: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text]
-    parts += [_bytes_of(tensors[name]) for name in names]
     digest, size = hashlib.sha256(), 0
     with open(path, "wb") as f:
         for part in parts:
@@ -135,11 +108,6 @@ def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: s
         f.flush()
         os.fsync(f.fileno())
     return _FileRecord(sha256=digest.hexdigest(), size=size)
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _write_serialized(path: pathlib.Path, tensors: dict[str, torch.Tensor], what: str) -> _FileRecord:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, TypeAlias
 
@@ -44,6 +43,7 @@ import torch
 
 from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
 from lamploop.errors import FrameError
+from lamploop.safetensors_layout import safetensors_parts
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -285,22 +285,6 @@ _CONVERTER: Final = _make_converter()
 # -- tensors --
 
 
-# The safetensors format's names of the dtypes written here directly (see encode_tensors).
-_SAFETENSORS_DTYPES: Final[dict[torch.dtype, str]] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_SAFETENSORS_HEADER = struct.Struct("<Q")
-
-
 def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """The safetensors bytes of named tensors (detached, on the CPU, contiguous, unshared).
 
@@ -320,33 +304,13 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
             msg = f"tensors map str to torch.Tensor, got {type(name).__name__}: {type(tensor).__name__}"
             raise FrameError(msg)
         ready[name] = tensor.detach().to("cpu").contiguous()
-    if sys.byteorder == "little" and all(t.dtype in _SAFETENSORS_DTYPES for t in ready.values()):
-        return _safetensors_bytes(ready)
+    parts = safetensors_parts(ready)
+    if parts is not None:
+        return b"".join(parts)
     try:
         return safetensors.torch.save(ready)
     except RuntimeError:  # tensors sharing memory (tied weights): safetensors wants copies
         return safetensors.torch.save({name: tensor.clone() for name, tensor in ready.items()})
-
-
-def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The safetensors layout of contiguous CPU tensors of the dtypes in ``_SAFETENSORS_DTYPES``."""
-    header: dict[str, Any] = {}
-    chunks: list[memoryview] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        # The bytes as they are in memory (a copy only for the join below); views of one
-        # storage (tied weights) are written twice, as separate tensors.
-        chunk = memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + chunk.nbytes],
-        }
-        chunks.append(chunk)
-        offset += chunk.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return b"".join((_SAFETENSORS_HEADER.pack(len(raw)), raw, *chunks))
 
 
 def decode_tensors(payload: bytes) -> dict[str, torch.Tensor]:

@@ -37,9 +37,9 @@ for a second model and its optimizer state.
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
-import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -57,6 +57,7 @@ from lamploop.loop.forward import device_of
 from lamploop.loop.precision import LossScale, Precision, check_precision
 from lamploop.model import SupervisedModel
 from lamploop.stopping import blocking
+from lamploop.strict_json import write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -190,14 +191,10 @@ class LrFindResult:
             axes.set_ylim(low - margin, high + 2 * margin)
         axes.legend(loc="best")
         figure.tight_layout()
+        png = io.BytesIO()
+        figure.savefig(png, format="png", dpi=dpi)
         target = Path(path)
-        temp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-        try:
-            figure.savefig(temp, format="png", dpi=dpi)
-            os.replace(temp, target)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        write_atomically(target, png.getvalue())
         return target
 
 

@@ -9,13 +9,14 @@ drawn, with the Agg backend's canvas (no display and no pyplot state are touched
 
 from __future__ import annotations
 
+import io
 import os
-import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from lamploop.errors import MissingDependencyError
 from lamploop.state import LoopState
+from lamploop.strict_json import write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -88,14 +89,10 @@ def plot_learning_curve(
             title += f": {os.fspath(state_or_path)}"
     figure = _new_figure(figsize, dpi)
     _draw(figure, state, title)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=dpi)
     target = Path(output)
-    temp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        figure.savefig(temp, format="png", dpi=dpi)
-        os.replace(temp, target)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    write_atomically(target, png.getvalue())
     return target
 
 

@@ -147,5 +147,3 @@ async def install_average(
     for m, momentum in zip(norms, momenta, strict=True):
         m.momentum = momentum
     module.train(was_training)
-
-import os  # scratch: an unused import that ruff must refuse

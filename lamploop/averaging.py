@@ -147,7 +147,3 @@ async def install_average(
     for m, momentum in zip(norms, momenta, strict=True):
         m.momentum = momentum
     module.train(was_training)
-
-
-def _scratch() -> int:
-    return "not an int"  # scratch: mypy must refuse

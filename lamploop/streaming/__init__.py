@@ -9,6 +9,7 @@ loses nothing.
 """
 
 from lamploop.streaming.batches import BufferStream, buffer_batches, stack_samples, stream_ended
+from lamploop.streaming.buffer_policy import FifoPolicy, FiroPolicy, Policy, ReservoirPolicy
 from lamploop.streaming.buffers import (
     BufferClosedError,
     DuplicateSampleError,
@@ -27,8 +28,12 @@ __all__ = [
     "BufferStream",
     "DuplicateSampleError",
     "FifoBuffer",
+    "FifoPolicy",
     "FiroBuffer",
+    "FiroPolicy",
+    "Policy",
     "ReservoirBuffer",
+    "ReservoirPolicy",
     "Sample",
     "SampleSink",
     "StreamBuffer",

@@ -13,8 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import cattrs
+import cattrs.cols
 import cattrs.errors
+import cattrs.gen
 import cattrs.v
 
 __all__ = ["field_errors", "fsync_dir", "strict_converter", "write_atomically"]
@@ -66,12 +69,19 @@ def _strict_converter() -> cattrs.Converter:
 
 
 def strict_converter() -> cattrs.Converter:
-    """Strict scalars, and lists only where a tuple or list is expected (not a string or an object)."""
+    """Strict scalars; a list only where a tuple or list is expected, at every depth (not a string
+    or an object); an object only where an attrs class is expected."""
     converter = _strict_converter()
     elements = _strict_converter()
 
     def sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
-        structure_items = elements.get_structure_hook(t)
+        args = getattr(t, "__args__", ())
+        if t.__origin__ is list:
+            structure_items = cattrs.cols.list_structure_factory(t, converter)
+        elif len(args) == 2 and args[1] is Ellipsis:
+            structure_items = cattrs.cols.homogenous_tuple_structure_factory(t, converter)
+        else:  # A fixed-shape tuple: its items are scalars in every format here.
+            structure_items = elements.get_structure_hook(t)
 
         def structure(value: Any, target: Any) -> Any:
             if not isinstance(value, list):
@@ -81,7 +91,19 @@ def strict_converter() -> cattrs.Converter:
 
         return structure
 
+    def object_hook(t: Any) -> Callable[[Any, Any], Any]:
+        structure_fields = cattrs.gen.make_dict_structure_fn(t, converter)
+
+        def structure(value: Any, target: Any) -> Any:
+            if not isinstance(value, dict):
+                msg = f"expected an object, got {value!r} ({_kind(value)})"
+                raise TypeError(msg)
+            return structure_fields(value, target)
+
+        return structure
+
     converter.register_structure_hook_factory(_is_sequence_type, sequence_hook)
+    converter.register_structure_hook_factory(attrs.has, object_hook)
     return converter
 
 

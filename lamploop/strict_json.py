@@ -75,7 +75,7 @@ def strict_converter() -> cattrs.Converter:
     elements = _strict_converter()
 
     def sequence_hook(t: Any) -> Callable[[Any, Any], Any]:
-        args = getattr(t, "__args__", ())
+        args: tuple[Any, ...] = getattr(t, "__args__", ())
         if t.__origin__ is list:
             structure_items = cattrs.cols.list_structure_factory(t, converter)
         elif len(args) == 2 and args[1] is Ellipsis:

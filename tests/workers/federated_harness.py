@@ -101,8 +101,14 @@ def node_result(proc: subprocess.Popen[str], timeout: float = 20.0) -> dict[str,
     return result
 
 
-def aggregate(plan: TrainingPlan, port: int, *, timeout: float = 40.0, **settings: Any) -> FederatedResult:
-    """Run the aggregator in this process (bounded by ``timeout``)."""
+def aggregate(plan: TrainingPlan, port: int, *, timeout: float = 120.0, **settings: Any) -> FederatedResult:
+    """Run the aggregator in this process (bounded by ``timeout``).
+
+    The default ``join_timeout`` counts from here, while the node processes just started are
+    still importing torch and ``torch._dynamo`` (lamploop/federated/node.py does, before
+    joining): about 2 s of CPU each, 12 to over 20 s of wall time on 2 cores at a load of 10 to
+    16.  It is generous for that; a run whose nodes join sooner waits no longer.
+    """
     initial = mlp(dict(plan.model.options))
 
     async def main() -> FederatedResult:
@@ -112,7 +118,7 @@ def aggregate(plan: TrainingPlan, port: int, *, timeout: float = 40.0, **setting
                 initial_model=initial,
                 token=TOKEN,
                 port=port,
-                settings=AggregatorSettings(**{"join_timeout": 20.0, "round_timeout": 20.0, **settings}),
+                settings=AggregatorSettings(**{"join_timeout": 60.0, "round_timeout": 20.0, **settings}),
             )
 
     return anyio.run(main)

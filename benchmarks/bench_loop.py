@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_loop.py --json bench-results/loop.json [--quick] [--threads N]
+    python benchmarks/bench_loop.py --breakdown-only [--quick]   # the step breakdown's cost alone
 
 What is compared, per case (same model, data, optimizer and number of steps):
 
@@ -22,6 +23,14 @@ What is compared, per case (same model, data, optimizer and number of steps):
   train_epoch=<one_epoch as above, setting lr = base * factor>)`` against the
   hand loop run N times; each epoch goes over ``steps // N`` batches, so the
   total number of steps matches the ``one_epoch`` comparison.
+
+* ``breakdown``: the cost of the always-on step breakdown (:mod:`lamploop.loop.step_timing`),
+  which a run with reporters measures on the root: the same ``one_epoch`` with
+  ``step_times=StepTimes()`` (enabled) against ``step_times=None`` (disabled, what a run
+  without reporters does), alternated the same way; the ratio is enabled / disabled.  Beside
+  it, the breakdown's clock reads and sums of one step timed alone (a tight loop of the
+  marks the pass calls), over the median step time: a figure the machine's noise does
+  not blur.  The target: below 1 % per step on ``mlp-1M``.
 
 Cases: ``mlp-1M`` (512 -> 1024 -> 512 -> 10 with ReLU, 1,055,242 parameters)
 and ``tiny`` (16 -> 8 -> 2, 154 parameters, where per-batch overhead shows),
@@ -56,6 +65,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -73,11 +83,15 @@ from _common import alternate, fmt_seconds, make_parser, print_table, summarize,
 
 import lamploop
 from lamploop import BatchContext, SupervisedModel, iterable_batches
+from lamploop.loop.step_timing import StepTimes
 
 TARGET_RATIO = 1.03
 """The acceptance target for the ~1M-parameter MLP: lamploop / hand loop <= this."""
 
 TARGET_CASE = "mlp-1M"
+
+BREAKDOWN_TARGET = 0.01
+"""The step breakdown's cost per step on the target case: below this share of a step."""
 
 NOISY_IQR = 0.05
 """A comparison whose per-pair ratios have an interquartile range above this is flagged as
@@ -162,6 +176,67 @@ async def lamploop_epoch(module: nn.Module, optimizer: torch.optim.Optimizer, ba
     return await lamploop.one_epoch(
         model=SupervisedModel(module), batches=stream, step_optimizer=optimizer.step
     )
+
+
+async def lamploop_epoch_with_breakdown(
+    module: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches
+) -> float:
+    """``lamploop_epoch`` with the step breakdown on, as the root of a run with reporters has it."""
+    stream = iterable_batches(lambda _context: batches)(BatchContext(epoch=0))
+    return await lamploop.one_epoch(
+        model=SupervisedModel(module), batches=stream, step_optimizer=optimizer.step, step_times=StepTimes()
+    )
+
+
+def breakdown_marks_seconds(steps: int = 200_000) -> float:
+    """Seconds per step of the breakdown's own work: the marks a training pass calls per step
+    (one batch awaited, backward, optimizer, step end), in a tight loop, less the empty loop."""
+    times = StepTimes()
+    times.begin(None)
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(steps):
+        began = clock()
+        times.waited_for_data(began)
+        times.backward_done()
+        times.optimizer_done()
+        times.step_done()
+    marked = clock() - start
+    start = clock()
+    for _ in range(steps):
+        pass
+    empty = clock() - start
+    return max(0.0, marked - empty) / steps
+
+
+def compare_breakdown(
+    name: str, base: nn.Module, batches: Batches, pairs: int, min_pairs: int, budget_s: float
+) -> dict[str, Any]:
+    """``one_epoch`` with the step breakdown (enabled) against without it (disabled), alternated."""
+    steps = len(batches)
+    print(f"  {name:<7} {'breakdown':<10} {steps:>4} steps ...", end="", flush=True)
+    started = time.perf_counter()
+    off = Side(base, timed_lamploop(lamploop_epoch, batches))
+    on = Side(base, timed_lamploop(lamploop_epoch_with_breakdown, batches))
+    timings = alternate(off, on, pairs=pairs, warmup=1, min_pairs=min_pairs, budget_s=budget_s)
+    print(f" {len(timings)} pairs, {time.perf_counter() - started:.1f} s", flush=True)
+    ratios = [t_on / t_off for t_off, t_on in timings]
+    cpu = [c_on / c_off for c_off, c_on in zip(off.cpu[1:], on.cpu[1:], strict=True)]
+    step_s = statistics.median(t / steps for t, _ in timings)
+    marks_s = statistics.median(breakdown_marks_seconds() for _ in range(5))
+    return {
+        "case": name,
+        "steps": steps,
+        "pairs": len(timings),
+        "disabled_per_step_s": summarize([t / steps for t, _ in timings]),
+        "enabled_per_step_s": summarize([t / steps for _, t in timings]),
+        "ratio_enabled_over_disabled": summarize(ratios),
+        "cpu_ratio_enabled_over_disabled": summarize(cpu),
+        "noisy": summarize(ratios)["iqr"] > NOISY_IQR,
+        "marks_per_step_s": marks_s,
+        "marks_share_of_step": marks_s / step_s,
+        "raw": {"disabled_wall_s": off.wall[1:], "enabled_wall_s": on.wall[1:]},
+    }
 
 
 async def lamploop_epochs(
@@ -314,12 +389,23 @@ def compare(
 
 
 def run_case(
-    name: str, widths: tuple[int, ...], steps: int, epochs: int, pairs: int, min_pairs: int, budget_s: float
+    name: str,
+    widths: tuple[int, ...],
+    steps: int,
+    epochs: int,
+    pairs: int,
+    min_pairs: int,
+    budget_s: float,
+    *,
+    breakdown_only: bool = False,
 ) -> dict[str, Any]:
     base = make_module(widths)
     batches = make_batches(widths, steps)
     parameters = count_parameters(base)
     print(f"{name}: layers {' -> '.join(map(str, widths))}, {parameters:,} parameters, batch {BATCH_SIZE}")
+    breakdown = compare_breakdown(name, base, batches, pairs, min_pairs, budget_s)
+    if breakdown_only:
+        return {"case": name, "parameters": parameters, "comparisons": [], "breakdown": breakdown}
     one = compare(
         name,
         "one_epoch",
@@ -349,7 +435,32 @@ def run_case(
         "steps_per_epoch": steps,
         "epochs": epochs,
         "comparisons": [one, many],
+        "breakdown": breakdown,
     }
+
+
+def breakdown_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for case in cases:
+        b = case["breakdown"]
+        ratio, cpu = b["ratio_enabled_over_disabled"], b["cpu_ratio_enabled_over_disabled"]
+        verdict = "-"
+        if case["case"] == TARGET_CASE:
+            verdict = "ok" if b["marks_share_of_step"] < BREAKDOWN_TARGET else "ABOVE"
+        rows.append(
+            [
+                case["case"],
+                str(b["pairs"]),
+                fmt_seconds(b["disabled_per_step_s"]["median"]),
+                fmt_seconds(b["enabled_per_step_s"]["median"]),
+                f"{ratio['median']:.4f} [{ratio['min']:.4f}-{ratio['max']:.4f}]",
+                f"{cpu['median']:.4f} [{cpu['min']:.4f}-{cpu['max']:.4f}]",
+                fmt_seconds(b["marks_per_step_s"]),
+                f"{100 * b['marks_share_of_step']:.3f}%",
+                verdict + (" (noisy)" if b["noisy"] else ""),
+            ]
+        )
+    return rows
 
 
 def table_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
@@ -398,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="call torch.set_num_threads(N) first (default: leave torch's default, which is recorded)",
     )
+    parser.add_argument(
+        "--breakdown-only",
+        action="store_true",
+        help="measure only the step breakdown's cost (enabled vs disabled), not lamploop vs the hand loop",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -414,9 +530,49 @@ def main(argv: list[str] | None = None) -> int:
     load_start = _load_average()
     started = time.perf_counter()
     cases = [
-        run_case(name, widths, steps[q], epochs, pairs, min_pairs, budget_s)
+        run_case(
+            name, widths, steps[q], epochs, pairs, min_pairs, budget_s, breakdown_only=args.breakdown_only
+        )
         for name, (widths, steps) in CASES.items()
     ]
+    print()
+    print_table(
+        [
+            "case",
+            "pairs",
+            "off/step",
+            "on/step",
+            "on/off wall med [min-max]",
+            "on/off cpu med [min-max]",
+            "marks/step",
+            "marks/step time",
+            f"< {100 * BREAKDOWN_TARGET:g}%",
+        ],
+        breakdown_rows(cases),
+    )
+    print(
+        "\nThe step breakdown: one_epoch with step_times=StepTimes() (on) against step_times=None (off), "
+        "alternated.\nwall/cpu: median over pairs of on/off [min-max].  marks/step: the breakdown's own "
+        "work per step timed alone\n(its clock reads and sums in a tight loop); the verdict compares it "
+        "with the median step time,\nas the wall ratio cannot resolve a fraction of a per cent on a "
+        "shared machine."
+    )
+    if args.breakdown_only:
+        load_end = _load_average()
+        print(f"Load average at start {_fmt_load(load_start)}, at end {_fmt_load(load_end)}.")
+        if args.json is not None:
+            write_json(
+                args.json,
+                {
+                    "benchmark": "loop-breakdown",
+                    "quick": args.quick,
+                    "load_average_start": load_start,
+                    "load_average_end": load_end,
+                    "breakdown": [case["breakdown"] for case in cases],
+                },
+            )
+            print(f"Wrote {args.json}")
+        return 0
     fixed = anyio_run_cost(20 if args.quick else 50)
     total = time.perf_counter() - started
 
@@ -470,6 +626,12 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio_measured": target["ratio_lamploop_over_hand"]["median"],
         "target_ratio_including_anyio_run": target["ratio_lamploop_over_hand_including_anyio_run"]["median"],
         "target_met": target["ratio_lamploop_over_hand"]["median"] <= TARGET_RATIO,
+        "breakdown_ratio_enabled_over_disabled": {
+            case["case"]: case["breakdown"]["ratio_enabled_over_disabled"]["median"] for case in cases
+        },
+        "breakdown_marks_share_of_step": {
+            case["case"]: case["breakdown"]["marks_share_of_step"] for case in cases
+        },
         "target_conclusive": not target["noisy"],
         "overhead_per_batch_us": {
             f"{c['case']}/{c['comparison']}": c["overhead_per_batch_us"]["median"]

@@ -5,7 +5,7 @@ The names users call are re-exported here; docs/architecture.md maps the modules
 
 from typing import Any
 
-from lamploop import averaging, errors, metrics, schedules, step_schedules
+from lamploop import averaging, errors, metrics, schedules
 from lamploop.averaging import ema, swa
 from lamploop.batches import (
     BatchContext,
@@ -24,6 +24,8 @@ from lamploop.distributed import (
 )
 from lamploop.fit import fit, fit_async
 from lamploop.loop import ALL_EPOCHS, epochs, one_epoch
+from lamploop.loop.profiler import Profile
+from lamploop.loop.step_timing import StepBreakdown
 from lamploop.lr_find import LrFindResult, lr_find, lr_find_async
 from lamploop.metrics import PassResult, accuracy
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss, summed
@@ -39,9 +41,10 @@ from lamploop.schedules import (
     reduce_lr_on_plateau,
     step_after,
 )
+from lamploop.schedules import step as step_schedules
+from lamploop.schedules.step import warmup_cosine, warmup_linear
 from lamploop.settings import TrainingSettings
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData
-from lamploop.step_schedules import warmup_cosine, warmup_linear
 from lamploop.summary import ModelSummary, summarize
 from lamploop.sync import register_strategy, strategy_names
 
@@ -63,7 +66,9 @@ __all__ = [
     "ModelSummary",
     "ModelSpec",
     "PassResult",
+    "Profile",
     "Reporter",
+    "StepBreakdown",
     "SupervisedModel",
     "TcpControlFollower",
     "TcpControlRoot",

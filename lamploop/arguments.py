@@ -7,15 +7,25 @@ the first epoch with an ``AttributeError`` or ``TypeError`` that names none of t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from lamploop.checkpoint.extras import CheckpointExtra, check_extras
+from lamploop.distributed.rank_extras import SYNC_EXTRA
 from lamploop.errors import ConfigurationError
 from lamploop.loop.optimizer import check_takes_parameters
+from lamploop.settings import TrainingSettings
+from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
 
-__all__ = ["check_batch_factory", "check_model", "check_optimizer_factory"]
+__all__ = [
+    "check_batch_factory",
+    "check_checkpointing",
+    "check_model",
+    "check_optimizer_factory",
+    "check_stateful_strategy",
+]
 
 
 def check_model(where: str, model: Any) -> None:
@@ -97,5 +107,59 @@ def check_early_stopping(where: str, patience: int | None, validation_batches: A
         msg = (
             f"{where}: early_stopping_patience={patience} needs validation_batches: it counts "
             "validations without a new best model, and there would be none"
+        )
+        raise ConfigurationError(msg)
+
+
+def check_checkpointing(
+    where: str, settings: TrainingSettings, directory: object, extras: Mapping[str, CheckpointExtra] | None
+) -> Mapping[str, CheckpointExtra]:
+    """Checkpoints inside epochs and extras need a directory; extras refuse checkpoints inside epochs."""
+    every = _every(settings)
+    if directory is None and every is not None:
+        msg = f"{where}: {every} asks for checkpoints inside epochs, but checkpoint_dir is None: say where"
+        raise ConfigurationError(msg)
+    checked = check_extras(where, extras)
+    if not checked:
+        return checked
+    if directory is None:
+        msg = f"{where}: checkpoint_extras {sorted(checked)} go into checkpoints, but checkpoint_dir is None"
+        raise ConfigurationError(msg)
+    if every is not None:
+        msg = (
+            f"{where}: {every} cannot be combined with checkpoint_extras: an extra's state (a stream "
+            "buffer's) at a step boundary does not match a pass resumed there, which replays the "
+            "epoch's first batches; with checkpoint_extras, checkpoints are written at epoch ends "
+            "(make epochs shorter instead, e.g. buffer_batches(batches_per_epoch=...))"
+        )
+        raise ConfigurationError(msg)
+    return checked
+
+
+def _every(settings: TrainingSettings) -> str | None:
+    """The name of the setting that asks for checkpoints inside epochs (``None``: neither does)."""
+    if settings.checkpoint_every_n_steps is not None:
+        return "checkpoint_every_n_steps"
+    if settings.checkpoint_every_seconds is not None:
+        return "checkpoint_every_seconds"
+    return None
+
+
+def check_stateful_strategy(
+    where: str, settings: TrainingSettings, extras: Mapping[str, CheckpointExtra]
+) -> None:
+    """A strategy that keeps state saves it at epoch ends, under a reserved name (see rank_extras)."""
+    strategy = settings.strategy
+    if strategy == AUTO or not keeps_state(strategy_named(strategy)):
+        return
+    if SYNC_EXTRA in extras:
+        msg = f"{where}: checkpoint_extras name {SYNC_EXTRA!r} is taken by strategy {strategy!r}'s own state"
+        raise ConfigurationError(msg)
+    every = _every(settings)
+    if every is not None:
+        msg = (
+            f"{where}: {every} cannot be combined with strategy {strategy!r}: its state (error feedback, "
+            "scales, outer momentum) is saved at epoch ends, where every rank's is consistent with the "
+            "model; make epochs shorter instead"
         )
         raise ConfigurationError(msg)

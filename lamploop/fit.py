@@ -19,67 +19,54 @@ checkpoint, so that a restarted job carries on by itself.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
-import os
-import re
-import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ParamSpec, TypedDict, TypeVar
+from typing import Any, TypedDict
 
-import anyio
 import attrs
 import torch
 
 from lamploop.arguments import (
     check_batch_factory,
+    check_checkpointing,
     check_early_stopping,
     check_model,
     check_optimizer_factory,
     check_reporters,
+    check_stateful_strategy,
 )
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
-from lamploop.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
-from lamploop.checkpoint.extras import CheckpointExtra, check_extras, rank_extra_name
-from lamploop.control.tcp import TcpControlRoot
-from lamploop.distributed.boundaries import StopRequest
+from lamploop.checkpoint import Checkpointer
+from lamploop.checkpoint.extras import CheckpointExtra
+from lamploop.checkpoint.resume import Resumed, resume_follower_extras, resume_root
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
-from lamploop.distributed.launch import (
-    LaunchEnv,
-    default_launch_command,
-    launch_env,
-    open_follower_control,
-    open_root_control,
-    spawn_followers,
-)
+from lamploop.distributed.launch import default_launch_command, open_follower_control, open_root
+from lamploop.distributed.placement import AUTO_DEVICE, Placement, place
 from lamploop.distributed.rank_extras import SYNC_EXTRA, RankExtras
-from lamploop.errors import (
-    CheckpointError,
-    ConfigurationError,
-    PeerLostError,
-    TrainingInterrupted,
-    error_detected_by_every_rank,
-)
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
+from lamploop.loop.profiler import Profile
 from lamploop.loop.selection import SelectionMode
 from lamploop.loop.stop_aware import stop_aware_batches
+from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel
-from lamploop.modelspec import model_spec
+from lamploop.modelspec import ModelSpec, model_spec
 from lamploop.reporting.emitter import EventEmitter
-from lamploop.reporting.events import CheckpointWritten, PeerLost, RunFailed, RunStopped
+from lamploop.reporting.events import CheckpointWritten
 from lamploop.reporting.logging_reporter import LoggingReporter
 from lamploop.reporting.progress import ProgressReporter
 from lamploop.reporting.reporter import Reporter, close_all, start_all
 from lamploop.schedules import LearningRateSchedule, noop
+from lamploop.schedules.step import StepSchedule
+from lamploop.schedules.torch_scheduler import LrSchedulerFactory, SchedulerInterval
 from lamploop.settings import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -88,22 +75,11 @@ from lamploop.settings import (
     TrainingSettings,
 )
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
-from lamploop.step_schedules import StepSchedule
-from lamploop.stopping import blocking, share_stop_requests, stop_on_signals, stop_request
-from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
-from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
+from lamploop.stopping import blocking, reported_run, share_stop_requests, stop_on_signals, stop_request
 
-__all__ = ["fit", "fit_async"]
+__all__ = ["AUTO_DEVICE", "fit", "fit_async"]
 
 logger = logging.getLogger("lamploop")
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-_LOCAL = "127.0.0.1"
-_FOLLOWER_EXIT_TIMEOUT_S = 60.0
-_OTHER_RANKS = re.compile(r"\.rank[0-9]+$")  # the followers' extras in the root's checkpoints
-_SYNC_STATE = re.compile(re.escape(SYNC_EXTRA) + r"(\.rank[0-9]+)?")  # a stateful strategy's, every rank's
 
 
 class _Heartbeat(TypedDict):
@@ -111,57 +87,22 @@ class _Heartbeat(TypedDict):
     heartbeat_timeout: float
 
 
-@attrs.frozen
-class _Place:
-    env: LaunchEnv | None
-    nranks: int
-    rank: int
-    device: torch.device
+@attrs.frozen(kw_only=True)
+class _Job:
+    """What every rank of one ``fit`` call trains with: checked, and placed."""
 
-
-def _place(world_size: int | None, device: torch.device | str) -> _Place:
-    env = launch_env()
-    if world_size is not None and (
-        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
-    ):
-        msg = f"fit: world_size must be None or an int >= 1, got {world_size!r}"
-        raise ConfigurationError(msg)
-    if env is not None and world_size is not None and world_size != env.world_size:
-        msg = (
-            f"fit: world_size={world_size}, but the launcher ({env.launcher}) started {env.world_size} ranks"
-        )
-        raise ConfigurationError(msg)
-    nranks = env.world_size if env is not None else (world_size or 1)
-    local_rank = env.local_rank if env is not None else 0
-    torch_device = _auto_device(nranks, local_rank) if device == AUTO_DEVICE else _device(device)
-    if torch_device.type == "cuda" and torch_device.index is None and nranks > 1:
-        torch_device = torch.device("cuda", local_rank)
-    if nranks > 1 and torch_device.type == "cpu":
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // min(nranks, cores)))
-    return _Place(env, nranks, env.rank if env is not None else 0, torch_device)
-
-
-AUTO_DEVICE = "auto"
-"""``fit(device="auto")``: CUDA when torch has it (``cuda:LOCAL_RANK``, with NCCL), else MPS for
-one rank where torch has it, else the CPU (with Gloo)."""
-
-
-def _auto_device(nranks: int, local_rank: int) -> torch.device:
-    """The device ``"auto"`` picks for this rank (see :data:`AUTO_DEVICE`)."""
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            msg = (
-                f"fit: device='auto' picks CUDA, but this rank's local rank is {local_rank} and there "
-                f"are {count} CUDA devices: start one rank per device, or pass device='cpu'"
-            )
-            raise ConfigurationError(msg)
-        return torch.device("cuda", local_rank if nranks > 1 else torch.cuda.current_device())
-    mps = getattr(torch.backends, "mps", None)
-    if nranks == 1 and mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    model: SupervisedModel
+    optimizer_factory: OptimizerFactory
+    train_batches: BatchStreamFactory  # stop-aware: a stop ends a wait for samples
+    validation_batches: BatchStreamFactory | None
+    settings: TrainingSettings
+    placement: Placement
+    spec: ModelSpec
+    heartbeat: _Heartbeat
+    stop: StopRequest
+    extras: Mapping[str, CheckpointExtra]
+    checkpoint_dir: str | Path | None
+    resume: bool
 
 
 def _default_reporter() -> Reporter:
@@ -169,92 +110,6 @@ def _default_reporter() -> Reporter:
     if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
         return ProgressReporter(sys.stderr)
     return LoggingReporter()
-
-
-def _device(device: torch.device | str) -> torch.device:
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        msg = f"fit: device {device!r} is not a device torch knows ({exc})"
-        raise ConfigurationError(msg) from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        msg = (
-            f"fit: device={str(device)!r}, but CUDA is not available here (torch "
-            f"{torch.__version__}, {torch.cuda.device_count()} CUDA devices); pass device='cpu'"
-        )
-        raise ConfigurationError(msg)
-    return torch_device
-
-
-def _resume(
-    checkpoint_dir: str | Path | None,
-    resume: bool,
-    schedule: LearningRateSchedule[Any],
-    module: torch.nn.Module,
-    extras: Mapping[str, CheckpointExtra],
-) -> dict[str, Any]:
-    """The drive's keyword arguments that resume from the latest checkpoint (none without one).
-
-    The checkpoint's extras are restored here, before training starts.
-    """
-    if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
-        return {}
-    checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
-    _restore_extras(checkpoint.path, checkpoint.extras, extras, rank=0)
-    checkpoint.rng.restore()
-    where = f"epoch {checkpoint.state.loop_state.epoch}"
-    if checkpoint.position is not None:
-        where += f" after step {checkpoint.position.steps_done}"
-    logger.info("resuming from %s at %s", checkpoint.path, where)
-    return {
-        "init_state": checkpoint.state,
-        "learning_rate_schedule_init_state": checkpoint.schedule_state,
-        "init_position": checkpoint.position,
-        "init_rank_rngs": (checkpoint.rng, *checkpoint.rank_rngs),
-        "extras_from": checkpoint.path.name if extras else None,
-        "saved_sync": {n: state for n, state in checkpoint.extras.items() if _SYNC_STATE.fullmatch(n)},
-    }
-
-
-def _restore_extras(
-    path: Path,
-    saved: Mapping[str, tuple[dict[str, torch.Tensor], Any]],
-    extras: Mapping[str, CheckpointExtra],
-    *,
-    rank: int,
-) -> None:
-    """Load this rank's state of every extra; one the checkpoint lacks is refused (it would start afresh)."""
-    names = {rank_extra_name(name, rank): name for name in extras}
-    missing = sorted(set(names) - set(saved))
-    if missing:
-        have = sorted(saved) or "none"
-        msg = (
-            f"{path}: has no state for the checkpoint extras {missing} (it has {have}); resuming would "
-            "start them afresh while the model carries on; pass resume=False or another checkpoint_dir"
-        )
-        raise CheckpointError(msg)
-    for saved_name, name in names.items():
-        tensors, meta = saved[saved_name]
-        extras[name].load_state_dict(tensors, meta)
-    unused = sorted(
-        n for n in set(saved) - set(names) if not _OTHER_RANKS.search(n) and not _SYNC_STATE.fullmatch(n)
-    )
-    if unused and rank == 0:
-        logger.warning("%s: its checkpoint extras %s are not restored (not given)", path, unused)
-
-
-def _resume_follower_extras(
-    checkpoint_dir: str | Path | None, resume: bool, rank: int, extras: Mapping[str, CheckpointExtra]
-) -> str | None:
-    """A follower restores its own extras from the checkpoint the root resumes from (every rank reads it).
-
-    Returns the checkpoint's name, which the ranks compare when they meet (``None``: nothing restored).
-    """
-    if not extras or checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
-        return None
-    checkpoint = load_checkpoint(checkpoint_dir)
-    _restore_extras(checkpoint.path, checkpoint.extras, extras, rank=rank)
-    return checkpoint.path.name
 
 
 async def fit_async(
@@ -294,6 +149,7 @@ async def fit_async(
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     early_stopping_patience: int | None = None,
+    profile: Profile | None = None,
     checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
 ) -> LoopState | None:
     """Train ``model``, checkpointing and resuming; the final state (``None`` on followers).
@@ -341,11 +197,11 @@ async def fit_async(
         precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"``: forward passes under autocast,
             fp16 with a dynamic loss scale (see :mod:`lamploop.loop.precision`).
         step_schedule: a per-step learning-rate factor (warm-up, cosine or linear decay),
-            multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.step_schedules`).
+            multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.schedules.step`).
         lr_scheduler, lr_scheduler_interval: a factory ``optimizer -> torch.optim.lr_scheduler``
             scheduler, stepped after every ``"step"`` or every ``"epoch"`` (default), written to
             checkpoints; it replaces ``learning_rate_schedule`` and ``step_schedule`` (see
-            :mod:`lamploop.torch_schedulers`).
+            :mod:`lamploop.schedules.torch_scheduler`).
         averaging: ``lamploop.averaging.ema(decay)`` or ``swa(start_epoch)``: the weight
             average is checkpointed, and the model ends holding it (instead of the best
             validation epoch's model).
@@ -354,6 +210,9 @@ async def fit_async(
             the model's ``metrics`` must have it (see :mod:`lamploop.metrics`).
         early_stopping_patience: stop once this many validations in a row bring no new
             best model (judged as ``model_selection_*`` says); ``None``: never.
+        profile: ``lamploop.Profile(out_dir, wait=, warmup=, active=)``: torch.profiler over
+            that window of optimizer steps on every rank, one Chrome/TensorBoard trace per
+            rank in ``out_dir`` (see docs/observability.md); ``None`` (default): no profiler.
         checkpoint_extras: named state saved with every checkpoint beside the model and
             restored from it on resume before training starts (rank 0; see
             :mod:`lamploop.checkpoint.extras`), such as a stream's buffer
@@ -372,6 +231,7 @@ async def fit_async(
             rank is a :class:`~lamploop.errors.PeerLostError` naming it.
         lamploop.errors.TrainingInterrupted: stopped by a signal (``reason`` names it).
     """
+    # Check: every argument, before anything starts.
     check_model("fit", model)
     check_optimizer_factory("fit", optimizer_factory)
     check_batch_factory("fit", "train_batches", train_batches)
@@ -379,61 +239,95 @@ async def fit_async(
     check_reporters("fit", reporters)
     check_early_stopping("fit", early_stopping_patience, validation_batches)
     settings = TrainingSettings.from_arguments(locals())
-    _check_step_checkpoints(checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds)
-    extras = _check_checkpoint_extras(
-        checkpoint_extras, checkpoint_dir, checkpoint_every_n_steps, checkpoint_every_seconds
-    )
-    place = _place(world_size, device)
-    if place.nranks > 1:  # one rank syncs nothing: its strategy keeps no state
-        _check_stateful_strategy(
-            settings.strategy, extras, checkpoint_every_n_steps, checkpoint_every_seconds
-        )
-    if place.env is None and place.nranks > 1 and launch_command is None:
-        launch_command = default_launch_command(place.nranks)
-    spec = model_spec(model.module)
-    heartbeat = _Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
-    rank_settings = settings.for_every_rank()
+    extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
+    # Place: this process's rank and device.
+    placement = place(world_size, device)
+    if placement.nranks > 1:  # one rank syncs nothing: its strategy keeps no state
+        check_stateful_strategy("fit", settings, extras)
+    if placement.env is None and placement.nranks > 1 and launch_command is None:
+        launch_command = default_launch_command(placement.nranks)
     stop = stop_request()
-    if place.env is not None and place.rank > 0:
-        restored_from = _resume_follower_extras(checkpoint_dir, resume, place.rank, extras)
-        follow = functools.partial(
-            follow_distributed_training,
-            stop=stop,
-            rank=place.rank,
-            nranks=place.nranks,
-            device=place.device,
-            model=model,
-            train_batches=stop_aware_batches(train_batches, stop),  # a stop ends a wait for samples
-            validation_batches=validation_batches,
-            optimizer_factory=optimizer_factory,
-            checkpoint_extras=RankExtras(
-                extras, rank=place.rank, nranks=place.nranks, resumed_from=restored_from
-            ),
-            **rank_settings,
-        )
+    job = _Job(
+        model=model,
+        optimizer_factory=optimizer_factory,
+        train_batches=stop_aware_batches(train_batches, stop),
+        validation_batches=validation_batches,
+        settings=settings,
+        placement=placement,
+        spec=model_spec(model.module),
+        heartbeat=_Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout),
+        stop=stop,
+        extras=extras,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+    )
+    # Follow (a rank the launcher started) or resume (the root), then run.
+    if placement.rank > 0:
         try:
-            async with (
-                stop_on_signals(stop),
-                open_follower_control(place.env, model_spec=spec, **heartbeat) as f,
-                share_stop_requests(stop, f),
-            ):
-                await follow(control=f)
+            await _follow(job)
         finally:
             close_all(reporters or ())  # the same script's reporters: a follower reports nothing
         return None
+    resumed = resume_root(
+        checkpoint_dir, resume, settings.learning_rate_schedule, model.module, extras, reserved=SYNC_EXTRA
+    )
+    listeners = list(reporters) if reporters is not None else [_default_reporter()]
+    try:
+        start_all(listeners)
+        return await _lead(job, resumed, listeners, keep_last, on_epoch, launch_command)
+    finally:
+        close_all(listeners)
 
-    resumed = _resume(checkpoint_dir, resume, learning_rate_schedule, model.module, extras)
+
+async def _follow(job: _Job) -> None:
+    """A follower: restore its extras from the root's checkpoint, then run the epochs the root commands."""
+    placement = job.placement
+    assert placement.env is not None  # a follower was started by a launcher
+    restored_from = resume_follower_extras(
+        job.checkpoint_dir, job.resume, placement.rank, job.extras, reserved=SYNC_EXTRA
+    )
+    async with (
+        stop_on_signals(job.stop),
+        open_follower_control(placement.env, model_spec=job.spec, **job.heartbeat) as control,
+        share_stop_requests(job.stop, control),
+    ):
+        await follow_distributed_training(
+            rank=placement.rank,
+            nranks=placement.nranks,
+            device=placement.device,
+            control=control,
+            model=job.model,
+            train_batches=job.train_batches,
+            validation_batches=job.validation_batches,
+            optimizer_factory=job.optimizer_factory,
+            settings=job.settings,
+            stop=job.stop,
+            checkpoint_extras=RankExtras(
+                job.extras, rank=placement.rank, nranks=placement.nranks, resumed_from=restored_from
+            ),
+        )
+
+
+async def _lead(
+    job: _Job,
+    resumed: Resumed | None,
+    listeners: Sequence[Reporter],
+    keep_last: int | None,
+    on_epoch: Callable[[LoopState], object] | None,
+    launch_command: Sequence[str] | None,
+) -> LoopState:
+    """The root: checkpoint, report, and drive the ranks (alone, under a launcher, or its own followers)."""
+    placement = job.placement
     run_extras = RankExtras(
-        extras,
+        job.extras,
         rank=0,
-        nranks=place.nranks,
-        resumed_from=resumed.pop("extras_from", None),
-        saved_sync=resumed.pop("saved_sync", None),
+        nranks=placement.nranks,
+        resumed_from=resumed.extras_from if resumed is not None else None,
+        saved_sync=resumed.reserved if resumed is not None else None,
     )
     save = None
-    if checkpoint_dir is not None:
-        save = Checkpointer(checkpoint_dir, keep_last=keep_last, extras=run_extras)
-    listeners = list(reporters) if reporters is not None else [_default_reporter()]
+    if job.checkpoint_dir is not None:
+        save = Checkpointer(job.checkpoint_dir, keep_last=keep_last, extras=run_extras)
     emit = EventEmitter(listeners)
 
     async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
@@ -461,161 +355,33 @@ async def fit_async(
         emit(CheckpointWritten(at.epoch, at.steps_done, path, time.monotonic() - began))
         return True
 
-    drive = functools.partial(
-        drive_distributed_training,
-        nranks=place.nranks,
-        device=place.device,
-        model=model,
-        optimizer_factory=optimizer_factory,
-        train_batches=stop_aware_batches(train_batches, stop),  # a stop ends a wait for samples
-        validation_batches=validation_batches,
-        checkpoint_state=after_epoch,
-        checkpoint_position=save_position if save is not None else None,
-        stop=stop,
-        reporters=listeners,
-        checkpoint_extras=run_extras,
-        **resumed,
-        **attrs.asdict(settings, recurse=False),
-    )
-    try:
-        start_all(listeners)
-        run = _drive_with_followers(drive, place, spec, heartbeat, launch_command, stop)
-        return await _reported(run, stop, emit)
-    finally:
-        close_all(listeners)
-
-
-def _check_step_checkpoints(directory: object, every_steps: int | None, every_seconds: float | None) -> None:
-    """Checkpoints inside epochs need a directory: asking for them without one is a mistake."""
-    if directory is not None or (every_steps is None and every_seconds is None):
-        return
-    every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
-    msg = f"fit: {every} asks for checkpoints inside epochs, but checkpoint_dir is None: say where"
-    raise ConfigurationError(msg)
-
-
-def _check_checkpoint_extras(
-    extras: Mapping[str, CheckpointExtra] | None,
-    directory: object,
-    every_steps: int | None,
-    every_seconds: float | None,
-) -> Mapping[str, CheckpointExtra]:
-    """Extras need a checkpoint directory, and refuse checkpoints inside epochs."""
-    checked = check_extras("fit", extras)
-    if not checked:
-        return checked
-    if directory is None:
-        msg = f"fit: checkpoint_extras {sorted(checked)} go into checkpoints, but checkpoint_dir is None"
-        raise ConfigurationError(msg)
-    if every_steps is not None or every_seconds is not None:
-        every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
-        msg = (
-            f"fit: {every} cannot be combined with checkpoint_extras: an extra's state (a stream "
-            "buffer's) at a step boundary does not match a pass resumed there, which replays the "
-            "epoch's first batches; with checkpoint_extras, checkpoints are written at epoch ends "
-            "(make epochs shorter instead, e.g. buffer_batches(batches_per_epoch=...))"
-        )
-        raise ConfigurationError(msg)
-    return checked
-
-
-def _check_stateful_strategy(
-    strategy: str, extras: Mapping[str, CheckpointExtra], every_steps: int | None, every_seconds: float | None
-) -> None:
-    """A strategy that keeps state saves it at epoch ends, under a reserved name (see rank_extras)."""
-    if strategy == AUTO or not keeps_state(strategy_named(strategy)):
-        return
-    if SYNC_EXTRA in extras:
-        msg = f"fit: checkpoint_extras name {SYNC_EXTRA!r} is taken by strategy {strategy!r}'s own state"
-        raise ConfigurationError(msg)
-    if every_steps is not None or every_seconds is not None:
-        every = "checkpoint_every_n_steps" if every_steps is not None else "checkpoint_every_seconds"
-        msg = (
-            f"fit: {every} cannot be combined with strategy {strategy!r}: its state (error feedback, "
-            "scales, outer momentum) is saved at epoch ends, where every rank's is consistent with the "
-            "model; make epochs shorter instead"
-        )
-        raise ConfigurationError(msg)
-
-
-async def _reported(run: Awaitable[LoopState], stop: StopRequest, emit: EventEmitter) -> LoopState:
-    """Await the root's run under the signal handlers; report a stop or a failure; raise its first error.
-
-    The run itself reports everything up to :class:`RunFinished`; how it failed is known here.
-    """
-    try:
-        async with stop_on_signals(stop) as at_once:
-            state = await run
-        if at_once.cancelled_caught:
-            msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
-            raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
-    except Exception as exc:
-        error = _first_error(exc)
-        if isinstance(error, TrainingInterrupted):  # a stop on request is no failure
-            emit(RunStopped(error.reason, str(error)))
-        else:
-            if isinstance(error, PeerLostError) and error.rank is not None:
-                emit(PeerLost(error.rank, error.how or "lost", str(error)))
-            emit(RunFailed(f"{type(error).__name__}: {error}"))
-        if error is exc:
-            raise
-        if error.__cause__ is not None:
-            raise error from error.__cause__  # its own cause says more than the task groups' wrapping
-        raise error from exc  # the task groups' wrapping, kept as the cause
-    return state
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    """The first error inside the exception groups that task groups wrap errors in (cancellations skipped).
-
-    An error that every rank detects itself (a NaN loss...) comes first: what it causes
-    elsewhere (a follower's abort, its process exiting with status 1) only follows from it.
-    """
-    own = error_detected_by_every_rank(exc)
-    if own is not None:
-        return own
-    inner = getattr(exc, "exceptions", None)
-    if not isinstance(inner, tuple):
-        return exc
-    leaves = [_first_error(e) for e in inner]
-    errors = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
-    return errors[0] if errors else exc
-
-
-async def _drive_with_followers(
-    drive: Callable[..., Awaitable[LoopState]],
-    place: _Place,
-    spec: Any,
-    heartbeat: _Heartbeat,
-    launch_command: Sequence[str] | None,
-    stop: StopRequest,
-) -> LoopState:
-    """Run the root: alone, under a launcher, or with followers this process starts itself."""
-    if place.nranks == 1:
-        return await drive(control=None)
-    if place.env is not None:
+    async def run() -> LoopState:
         async with (
-            open_root_control(place.env, model_spec=spec, **heartbeat) as root,
-            share_stop_requests(stop, root),  # a rank that waits for data hears the others' stops
+            open_root(
+                placement.env, placement.nranks, model_spec=job.spec, command=launch_command, **job.heartbeat
+            ) as (control, host),
+            share_stop_requests(job.stop, control),  # a rank that waits for data hears the others' stops
         ):
-            return await drive(control=root, host=place.env.root_host)
-    token = secrets.token_hex(16)
-    async with (
-        TcpControlRoot(host=_LOCAL, nranks=place.nranks, token=token, model_spec=spec, **heartbeat) as root,
-        anyio.create_task_group() as followers,
-    ):
-        spawn_followers(
-            followers,
-            world_size=place.nranks,
-            control_address=root.address,
-            token=token,
-            command=launch_command,
-        )
-        async with share_stop_requests(stop, root):
-            state = await drive(control=root, host=_LOCAL)
-        # The followers got Stop; give them a bounded time to exit before they are killed.
-        followers.cancel_scope.deadline = anyio.current_time() + _FOLLOWER_EXIT_TIMEOUT_S
-    return state
+            return await drive_distributed_training(
+                nranks=placement.nranks,
+                device=placement.device,
+                control=control,
+                model=job.model,
+                optimizer_factory=job.optimizer_factory,
+                train_batches=job.train_batches,
+                validation_batches=job.validation_batches,
+                max_epochs=job.settings.max_epochs,
+                checkpoint_state=after_epoch,
+                settings=job.settings,
+                host=host,
+                checkpoint_position=save_position if save is not None else None,
+                stop=job.stop,
+                reporters=listeners,
+                checkpoint_extras=run_extras,
+                **(resumed.drive_arguments() if resumed is not None else {}),
+            )
+
+    return await reported_run(run(), job.stop, emit)
 
 
 fit = blocking(fit_async)

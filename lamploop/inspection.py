@@ -4,13 +4,18 @@
 every checkpoint of a run directory (``inspect_checkpoint`` is the same function);
 :func:`format_report` turns its result into text: a header, the model's tensors per top-level
 module (:func:`model_tensor_summary`), the learning curve as a table (the best epoch marked
-``*``), and the files.
+``*``), where the training steps' time went when a metrics file beside the checkpoints holds
+a step breakdown (:func:`step_breakdown_lines`), and the files.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 from lamploop.checkpoint.format import DESCRIPTOR_NAME, LATEST_NAME
 from lamploop.checkpoint.load import read_descriptor
@@ -22,6 +27,7 @@ from lamploop.checkpoint.verify import (
     verify_checkpoint,
 )
 from lamploop.errors import CheckpointError
+from lamploop.reporting.metrics_file import STEP_COLUMNS
 from lamploop.state import LoopState
 from lamploop.summary import TensorSummary, summarize_tensors
 
@@ -31,8 +37,10 @@ __all__ = [
     "FileCheck",
     "format_report",
     "inspect_checkpoint",
+    "metrics_file_with_steps",
     "model_tensor_summary",
     "read_loop_state",
+    "step_breakdown_lines",
 ]
 
 inspect_checkpoint = verify_checkpoint
@@ -51,6 +59,71 @@ def model_tensor_summary(checkpoint: Path) -> TensorSummary | None:
     except CheckpointError:
         return None
     return summarize_tensors(descriptor.model_spec.tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# The step breakdown, from a metrics file
+
+_METRICS_SUFFIXES = (".csv", ".jsonl", ".ndjson")
+_PART_HEADINGS = ("data wait", "fwd+bwd", "comm wait", "optimizer", "checkpoint", "other")
+
+
+def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a :class:`~lamploop.reporting.MetricsFileReporter` file (empty if unreadable)."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            if path.suffix.lower() == ".csv":
+                return [dict(row) for row in csv.DictReader(f)]
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError, csv.Error):
+        return []
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def _seconds(value: object) -> float | None:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def metrics_file_with_steps(directory: Path) -> Path | None:
+    """The first metrics file (``*.csv``, ``*.jsonl``, ``*.ndjson``, by name) directly in
+    ``directory`` whose rows hold a step breakdown; ``None`` when there is none."""
+    if not directory.is_dir():
+        return None
+    for path in sorted(
+        p for p in directory.iterdir() if p.suffix.lower() in _METRICS_SUFFIXES and p.is_file()
+    ):
+        if any(_seconds(row.get("step_seconds")) is not None for row in _metrics_rows(path)):
+            return path
+    return None
+
+
+def step_breakdown_lines(path: Path) -> list[str]:
+    """A table of the step breakdown per epoch in the metrics file ``path``: the mean time per
+    step, then each part's share of the steps' time (rows without a breakdown are left out)."""
+    header = ["epoch", "steps", "ms/step", *_PART_HEADINGS]
+    rows = []
+    for row in _metrics_rows(path):
+        values = [_seconds(row.get(column)) for column in STEP_COLUMNS]
+        steps = _seconds(row.get("steps"))
+        whole = values[0]
+        if whole is None or steps is None or any(v is None for v in values):
+            continue
+        parts = [v or 0.0 for v in values[1:]]
+        parts.append(max(0.0, whole - sum(parts)))
+        share = [f"{100 * p / whole:.1f}%" if whole > 0 else "-" for p in parts]
+        per_step = f"{1000 * whole / steps:.3f}" if steps > 0 else "-"
+        rows.append([str(row.get("epoch", "?")), f"{steps:.0f}", per_step, *share])
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,8 +207,15 @@ def _file_line(f: FileCheck, name_width: int) -> str:
     return f"  {f.name.ljust(name_width)}  {size:>15}  {status}"
 
 
-def format_report(report: CheckpointReport) -> str:
-    """The report as text: a header, the model's tensors, the learning curve (best epoch ``*``), the files."""
+def format_report(report: CheckpointReport, *, metrics_file: Path | None = None) -> str:
+    """The report as text: a header, the model's tensors, the learning curve (best epoch ``*``),
+    the step breakdown, the files.
+
+    The step breakdown is read from ``metrics_file`` or, by default, from the first metrics
+    file in the run directory (the checkpoint's parent) that holds one
+    (:func:`metrics_file_with_steps`): write a :class:`~lamploop.reporting.MetricsFileReporter`
+    file into ``checkpoint_dir`` to have it shown.
+    """
     lines = [f"checkpoint   {report.path}"]
     if report.run_directory is not None:
         count = len(report.checkpoints)
@@ -184,6 +264,13 @@ def format_report(report: CheckpointReport) -> str:
             lines += _curve_table(state)
         else:
             lines.append("learning curve: empty (no epoch finished)")
+        run_directory = report.run_directory if report.run_directory is not None else report.path.parent
+        found = metrics_file if metrics_file is not None else metrics_file_with_steps(run_directory)
+        breakdown = step_breakdown_lines(found) if found is not None else []
+        if found is not None and breakdown:
+            lines.append("")
+            lines.append(f"where the training steps' time went (from {found}; host-side times on a GPU):")
+            lines += breakdown
     lines.append("")
     lines.append(f"files of {report.path.name}:")
     width = max((len(f.name) for f in report.files), default=0)

@@ -1,10 +1,13 @@
 """``TrainingSettings``: one checked description of how a run trains, shared by every entry point.
 
-``drive_distributed_training``, ``follow_distributed_training``,
-``local_data_parallel_training_loop`` and ``fit`` keep the keyword arguments of the
-design contract; each turns them into one :class:`TrainingSettings` first, so that the
-checks (and, for a new setting, the plumbing) live here and nowhere else.  The field
-names are the keyword names, which is what :meth:`TrainingSettings.from_arguments` relies on.
+``fit`` takes every setting as a flat keyword and collects them into one
+:class:`TrainingSettings` (:meth:`TrainingSettings.from_arguments`: the field names are
+the keyword names).  The lower-level entry points (``drive_distributed_training``,
+``follow_distributed_training``, ``local_data_parallel_training_loop``) keep the design
+contract's keywords (lamp's) and take everything beyond lamp as one ``settings=`` object;
+the settings keywords they took before it are still accepted, declared once here
+(:class:`SettingKeywords` and its two smaller bases, frozen: a new setting is a field and a
+keyword of ``fit``, never a new keyword here), and merged by :func:`merged_settings`.
 
 >>> from lamploop.settings import TrainingSettings
 >>> TrainingSettings(max_epochs=3, accumulate_gradient_over_n_batches=2).strategy
@@ -17,10 +20,13 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
-from collections.abc import Container, Mapping
-from typing import Any, ClassVar
+import sys
+from collections.abc import Callable, Container, Mapping
+from typing import Any, ClassVar, TypedDict
 
 import attrs
 
@@ -39,24 +45,35 @@ from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIM
 from lamploop.errors import ConfigurationError
 from lamploop.loop.non_finite import NonFiniteLossPolicy, check_policy
 from lamploop.loop.precision import Precision, check_precision
-from lamploop.loop.selection import ModelSelection
+from lamploop.loop.profiler import Profile
+from lamploop.loop.selection import ModelSelection, SelectionMode
 from lamploop.schedules import LearningRateSchedule, Noop, noop
-from lamploop.step_schedules import StepSchedule
+from lamploop.schedules.step import StepSchedule
+from lamploop.schedules.torch_scheduler import LrSchedulerFactory, SchedulerInterval, check_interval
 from lamploop.sync.buckets import DEFAULT_BUCKET_CAP_MB
 from lamploop.sync.collectives import DEFAULT_COLLECTIVE_TIMEOUT_S
 from lamploop.sync.strategy import check_strategy_name
-from lamploop.torch_schedulers import LrSchedulerFactory, check_interval
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - CI runs 3.11; torch depends on typing_extensions
+    from typing_extensions import Unpack
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "LocalSettingKeywords",
+    "RankSettingKeywords",
+    "SettingKeywords",
     "TrainingSettings",
+    "Unpack",
     "check_int",
     "check_positive",
     "check_seconds",
     "check_smoothing",
+    "merged_settings",
 ]
 
 
@@ -101,7 +118,7 @@ def _precision(_: object, __: attrs.Attribute[str], value: str) -> None:
 def _step_schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not callable(getattr(value, "factor", None)):
         msg = (
-            "step_schedule must have factor(epoch, step) (see lamploop.step_schedules), "
+            "step_schedule must have factor(epoch, step) (see lamploop.schedules.step), "
             f"got {type(value).__name__}"
         )
         raise ConfigurationError(msg)
@@ -135,6 +152,12 @@ def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
         raise ConfigurationError(msg)
 
 
+def _profile(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, Profile):
+        msg = f"profile must be a lamploop.Profile or None, got {value!r}"
+        raise ConfigurationError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class TrainingSettings:
     """How a run trains: the epoch loop's settings and the step's, checked on construction.
@@ -158,13 +181,15 @@ class TrainingSettings:
         max_gradient_norm: clip each step's summed gradient to this global L2 norm (``None``: no clipping).
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see :mod:`lamploop.loop.precision`).
         step_schedule: a per-step learning-rate factor, times the epoch schedule's
-            (see :mod:`lamploop.step_schedules`).
+            (see :mod:`lamploop.schedules.step`).
         averaging: keep an EMA or SWA of the weights on the root (see :mod:`lamploop.averaging`).
         lr_scheduler, lr_scheduler_interval: a ``torch.optim.lr_scheduler`` factory, stepped
-            per ``"epoch"`` or per ``"step"`` (see :mod:`lamploop.torch_schedulers`).
+            per ``"epoch"`` or per ``"step"`` (see :mod:`lamploop.schedules.torch_scheduler`).
         model_selection_metric, model_selection_mode: select the best model by a validation
             metric's smallest or largest smoothed value (see :func:`lamploop.epochs`).
         early_stopping_patience: stop after this many validations without a new best.
+        profile: a :class:`~lamploop.loop.profiler.Profile`, torch.profiler over a window of
+            steps on every rank (``None``: no profiler).
 
     Raises:
         ConfigurationError: a value is out of range; the message names the argument.
@@ -191,6 +216,7 @@ class TrainingSettings:
     model_selection_metric: str | None = None
     model_selection_mode: str = "min"
     early_stopping_patience: int | None = attrs.field(default=None, validator=optional_int_at_least(1))
+    profile: Profile | None = attrs.field(default=None, validator=_profile)
 
     def __attrs_post_init__(self) -> None:
         ModelSelection(self.model_selection_metric, self.model_selection_mode)  # type: ignore[arg-type]
@@ -243,3 +269,130 @@ class TrainingSettings:
         """The settings among a public function's arguments (``locals()``), picked by name."""
         names = {field.name for field in attrs.fields(cls)}
         return cls(**{name: value for name, value in arguments.items() if name in names})
+
+
+# --------------------------------------------------------------------------------------------
+# The settings keywords of the lower-level entry points, kept for the code written before
+# ``settings=``.  Frozen: a new setting is a TrainingSettings field and a keyword of ``fit``
+# only; these three stay as they are (tests/test_settings_object.py checks that every
+# TrainingSettings field is a keyword of fit).
+
+
+class RankSettingKeywords(TypedDict, total=False):
+    """``follow_distributed_training``'s settings keywords: :attr:`TrainingSettings.EVERY_RANK`."""
+
+    strategy: str
+    bucket_cap_mb: float
+    collective_timeout: float
+    on_non_finite_loss: NonFiniteLossPolicy
+    max_gradient_norm: float | None
+    precision: Precision
+    step_schedule: StepSchedule | None
+    lr_scheduler: LrSchedulerFactory | None
+    lr_scheduler_interval: SchedulerInterval
+
+
+class LocalSettingKeywords(RankSettingKeywords, total=False):
+    """``local_data_parallel_training_loop``'s settings keywords: every rank's and the root's choices."""
+
+    averaging: Averaging | None
+    model_selection_metric: str | None
+    model_selection_mode: SelectionMode
+    early_stopping_patience: int | None
+
+
+class SettingKeywords(LocalSettingKeywords, total=False):
+    """``drive_distributed_training``'s settings keywords: all of the above and the checkpoint cadence."""
+
+    checkpoint_every_n_steps: int | None
+    checkpoint_every_seconds: float | None
+
+
+@functools.cache
+def _lamp_parameters(function: Callable[..., Any]) -> dict[str, Any]:
+    """The function's parameters that are settings too (lamp's keywords), with their defaults."""
+    fields = attrs.fields_dict(TrainingSettings)
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(function).parameters.items()
+        if name in fields
+    }
+
+
+def merged_settings(
+    function: Callable[..., Any], arguments: Mapping[str, Any], accepted: type[Mapping[str, Any]]
+) -> TrainingSettings:
+    """The one :class:`TrainingSettings` of a call of a lower-level entry point.
+
+    Args:
+        function: the entry point: its name goes into the messages, and its parameters that
+            are :class:`TrainingSettings` fields are lamp's (``max_epochs``,
+            ``validation_frequency``...).
+        arguments: its arguments (``locals()``): ``settings`` (its ``settings=``),
+            ``keywords`` (its ``**keywords``, settings given the older way) and lamp's.
+        accepted: the TypedDict of the settings keywords it takes (:class:`SettingKeywords`...).
+
+    A lamp keyword counts as given when it differs from the function's default (a required
+    one always does); with ``settings=`` it must then agree with the settings' value unless
+    that is :class:`TrainingSettings`' default, and one left at its default takes the
+    settings' value.
+
+    Raises:
+        ConfigurationError: an unknown keyword (named, with the function), a setting given
+            both as a keyword and in ``settings=``, ``settings`` not a :class:`TrainingSettings`,
+            or a value out of range.
+    """
+    settings: TrainingSettings | None = arguments["settings"]
+    keywords: Mapping[str, Any] = arguments["keywords"]
+    parameters = _lamp_parameters(function)
+    lamp = {name: arguments[name] for name in parameters}
+    where = function.__name__
+    known = accepted.__required_keys__ | accepted.__optional_keys__  # type: ignore[attr-defined]
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        msg = (
+            f"{where}: unknown keyword argument {', '.join(map(repr, unknown))} (its settings keywords: "
+            f"{', '.join(sorted(known))}; any setting fits in settings=TrainingSettings(...))"
+        )
+        raise ConfigurationError(msg)
+    if settings is None:
+        return TrainingSettings(**lamp, **keywords)
+    if not isinstance(settings, TrainingSettings):
+        msg = f"{where}: settings must be a lamploop.TrainingSettings, got {type(settings).__name__}"
+        raise ConfigurationError(msg)
+    if keywords:
+        msg = (
+            f"{where}: {', '.join(sorted(keywords))} given both as a keyword and in settings=: pass each "
+            "setting one way (e.g. settings=attrs.evolve(settings, ...))"
+        )
+        raise ConfigurationError(msg)
+    fields = attrs.fields_dict(TrainingSettings)
+    given = {name: value for name, value in lamp.items() if _differ(value, parameters[name])}
+    both = sorted(
+        name
+        for name, value in given.items()
+        if _differ(getattr(settings, name), _field_default(fields[name]))
+        and _differ(getattr(settings, name), value)
+    )
+    if both:
+        shown = "; ".join(
+            f"{name}={given[name]!r} and settings.{name}={getattr(settings, name)!r}" for name in both
+        )
+        msg = f"{where}: {shown}: given both ways and different; pass each setting one way"
+        raise ConfigurationError(msg)
+    return attrs.evolve(settings, **given) if given else settings
+
+
+def _differ(a: object, b: object) -> bool:
+    """Whether two setting values differ; values that cannot say (arrays...) differ unless identical."""
+    if a is b:
+        return False
+    try:
+        return bool(a != b)
+    except Exception:  # an array's != is no bool: such values are compared by identity
+        return True
+
+
+def _field_default(field: attrs.Attribute[Any]) -> Any:
+    default: Any = field.default
+    return default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[arg-type]

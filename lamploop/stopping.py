@@ -32,9 +32,19 @@ import anyio
 import anyio.abc
 
 from lamploop.control.commands import ControlFollower, ControlRoot
-from lamploop.distributed.boundaries import StopRequest
+from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
+from lamploop.loop.stop_request import StopRequest
+from lamploop.reporting.emitter import EventEmitter
+from lamploop.reporting.events import PeerLost, RunFailed, RunStopped
 
-__all__ = ["blocking", "event_loop_running", "share_stop_requests", "stop_on_signals", "stop_request"]
+__all__ = [
+    "blocking",
+    "event_loop_running",
+    "reported_run",
+    "share_stop_requests",
+    "stop_on_signals",
+    "stop_request",
+]
 
 logger = logging.getLogger("lamploop")
 
@@ -225,3 +235,56 @@ def _ctrl_c_requests_stops(stop: StopRequest) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+async def reported_run(run: Awaitable[R], stop: StopRequest, emit: EventEmitter) -> R:
+    """Await the root's run under the signal handlers (:func:`stop_on_signals`); report a stop or a failure.
+
+    The run itself reports everything up to :class:`~lamploop.reporting.events.RunFinished`;
+    how it ended otherwise is known here: a stop on request is a
+    :class:`~lamploop.reporting.events.RunStopped`, anything else a
+    :class:`~lamploop.reporting.events.RunFailed` (after a
+    :class:`~lamploop.reporting.events.PeerLost` naming a lost rank).  The first error inside
+    the task groups' exception groups is raised, with its own cause.
+
+    Raises:
+        TrainingInterrupted: stopped, at the next step boundary or at once by a second request.
+        LamploopError: the run's first error.
+    """
+    try:
+        async with stop_on_signals(stop) as at_once:
+            state = await run
+        if at_once.cancelled_caught:
+            msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
+            raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
+    except Exception as exc:
+        error = _first_error(exc)
+        if isinstance(error, TrainingInterrupted):  # a stop on request is no failure
+            emit(RunStopped(error.reason, str(error)))
+        else:
+            if isinstance(error, PeerLostError) and error.rank is not None:
+                emit(PeerLost(error.rank, error.how or "lost", str(error)))
+            emit(RunFailed(f"{type(error).__name__}: {error}"))
+        if error is exc:
+            raise
+        if error.__cause__ is not None:
+            raise error from error.__cause__  # its own cause says more than the task groups' wrapping
+        raise error from exc  # the task groups' wrapping, kept as the cause
+    return state
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first error inside the exception groups that task groups wrap errors in (cancellations skipped).
+
+    An error that every rank detects itself (a NaN loss...) comes first: what it causes
+    elsewhere (a follower's abort, its process exiting with status 1) only follows from it.
+    """
+    own = error_detected_by_every_rank(exc)
+    if own is not None:
+        return own
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return exc
+    leaves = [_first_error(e) for e in inner]
+    errors = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
+    return errors[0] if errors else exc

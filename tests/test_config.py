@@ -11,8 +11,7 @@ import pytest
 
 from lamploop.checkpoint import load_checkpoint
 from lamploop.cli import EXIT_FAILED, EXIT_OK, main
-from lamploop.config import CONFIG_NAME, DemoConfig, load_config, resolve_config, save_config
-from lamploop.demo import run_demo
+from lamploop.demo import CONFIG_NAME, DemoConfig, load_config, resolve_config, run_demo, save_config
 from lamploop.errors import ConfigurationError
 
 pytest.importorskip("sklearn")

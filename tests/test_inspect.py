@@ -329,3 +329,50 @@ def test_inspect_in_a_real_process_names_the_corrupt_file(run: Path) -> None:
     assert len(result.stderr.splitlines()) == 1
     assert "checkpoint   " in result.stdout
     assert f"1 problem:\n  {bad}: sha256 mismatch" in result.stdout
+
+
+def test_a_metrics_file_in_the_run_directory_shows_where_the_steps_time_went(
+    trained: tuple[Path, LoopState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lamploop.reporting import EpochFinished, MetricsFileReporter, StepBreakdown
+
+    root, state = trained
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    rows = MetricsFileReporter(run / "metrics.csv")
+    for epoch, data_wait in ((0, 0.25), (1, 0.5)):
+        breakdown = StepBreakdown(
+            steps=6,
+            seconds=1.0,
+            data_wait=data_wait,
+            forward_backward=0.25,
+            optimizer=0.125,
+            checkpoint=0.0625,
+        )
+        done = LoopState(epoch=epoch + 1, learning_curve=state.learning_curve[: epoch + 1])
+        rows.report(EpochFinished(done, seconds=1.5, steps=6, examples=96, step_breakdown=breakdown))
+    rows.close()
+
+    assert main(["inspect", str(run)]) == EXIT_OK  # the metrics file is no problem of the run's
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("where the training steps' time went"))
+    assert str(run / "metrics.csv") in lines[start]
+    table = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1 : start + 4]]
+    assert table == [
+        [
+            "epoch",
+            "steps",
+            "ms/step",
+            "data wait",
+            "fwd+bwd",
+            "comm wait",
+            "optimizer",
+            "checkpoint",
+            "other",
+        ],
+        ["0", "6", "166.667", "25.0%", "25.0%", "0.0%", "12.5%", "6.2%", "31.2%"],
+        ["1", "6", "166.667", "50.0%", "25.0%", "0.0%", "12.5%", "6.2%", "6.2%"],
+    ]
+    # Without a breakdown in any metrics file, no such section.
+    assert "where the training steps' time went" not in format_report(inspect_checkpoint(root))

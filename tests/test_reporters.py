@@ -25,6 +25,7 @@ from lamploop.reporting import (
     EpochFinished,
     EpochStarted,
     Event,
+    LoggingReporter,
     MetricsFileReporter,
     MlflowReporter,
     PeerJoined,
@@ -36,12 +37,14 @@ from lamploop.reporting import (
     RunFinished,
     RunStarted,
     RunStopped,
+    StepBreakdown,
     TensorBoardReporter,
     ValidationFinished,
     WandbReporter,
     report_all,
 )
 from lamploop.reporting.global_step import GlobalStep
+from lamploop.reporting.metrics_file import STEP_COLUMNS
 from lamploop.state import LearningCurveEntry, LoopState
 
 T0 = 1_700_000_000.0  # the events' wall clock
@@ -505,6 +508,78 @@ def test_jsonl_rows(tmp_path: Path) -> None:
     assert lines[0]["validation_accuracy"] == 0.6
     assert lines[1]["validation_loss"] is None
     assert lines[1]["steps"] == 35
+
+
+BREAKDOWN = StepBreakdown(
+    steps=40,
+    seconds=8.0,
+    data_wait=0.4,
+    forward_backward=5.6,
+    communication_wait=0.8,
+    optimizer=0.8,
+    checkpoint=0.16,
+)
+
+
+def _with_breakdown() -> EpochFinished:
+    return EpochFinished(
+        LoopState(epoch=1, learning_curve=[ENTRY_0]),
+        seconds=10.0,
+        steps=40,
+        examples=2560,
+        step_breakdown=BREAKDOWN,
+        time=T0 + 11,
+    )
+
+
+def test_csv_and_jsonl_rows_carry_the_step_breakdown(tmp_path: Path) -> None:
+    for name in ("curve.csv", "curve.jsonl"):
+        rows = MetricsFileReporter(tmp_path / name)
+        rows.report(_with_breakdown())
+        rows.close()
+    with (tmp_path / "curve.csv").open(newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert list(row)[8:14] == list(STEP_COLUMNS)  # after the base columns, before the metrics
+    expected = {
+        "step_seconds": 8.0,
+        "data_wait_seconds": 0.4,
+        "forward_backward_seconds": 5.6,
+        "communication_wait_seconds": 0.8,
+        "optimizer_seconds": 0.8,
+        "checkpoint_seconds": 0.16,
+    }
+    assert {k: float(row[k]) for k in STEP_COLUMNS} == expected
+    (line,) = (tmp_path / "curve.jsonl").read_text().splitlines()
+    assert {k: json.loads(line)[k] for k in STEP_COLUMNS} == expected
+
+
+def test_csv_from_before_step_breakdowns_is_carried_on_without_them(tmp_path: Path) -> None:
+    path = tmp_path / "curve.csv"
+    old = MetricsFileReporter(path)
+    feed(old, run_events()[:9])  # rows without a breakdown fix the header
+    old.close()
+    resumed = MetricsFileReporter(path)
+    resumed.report(_with_breakdown())  # not refused
+    resumed.close()
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    assert "step_seconds" not in rows[1]
+    assert rows[1]["train_accuracy"] == "0.5"
+
+
+def test_the_epoch_lines_say_where_the_steps_time_went(caplog: pytest.LogCaptureFixture) -> None:
+    expected = (
+        "per step 200.00 ms: data wait 5%, forward+backward 70%, communication wait 10%, optimizer 10%, "
+        "checkpoint 2%, other 3%"
+    )
+    with caplog.at_level(logging.INFO, logger="lamploop"):
+        LoggingReporter().report(_with_breakdown())
+    (record,) = caplog.records
+    assert record.getMessage().endswith(f"validation accuracy 0.6000 (smoothed 0.5500) ({expected})")
+    out = io.StringIO()
+    ProgressReporter(out).report(_with_breakdown())
+    assert out.getvalue().rstrip().endswith(f"(10.0 s, 256 examples/s; {expected})")
 
 
 def test_metrics_file_format(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from workers import rank as worker
 
 import lamploop
 from lamploop.errors import ConfigurationError
-from lamploop.step_schedules import warmup_cosine, warmup_linear
+from lamploop.schedules.step import warmup_cosine, warmup_linear
 
 LR = 0.1
 STEPS_PER_EPOCH = 6  # 48 examples in batches of 8

@@ -11,7 +11,6 @@ goes on.  See docs/reliability.md.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -21,37 +20,13 @@ import torch
 
 from lamploop.checkpoint import RngStates
 from lamploop.loop.boundary import EpochPosition, StepProgress
+from lamploop.loop.stop_request import StopRequest  # its home; importable from here as before
 from lamploop.sync.collectives import Collectives
 
 __all__ = ["RankBoundary", "SavePosition", "StopRequest", "rng_from_json", "rng_to_json"]
 
 SavePosition = Callable[[EpochPosition, Sequence[RngStates]], Awaitable[None]]
 """The root's: write the checkpoint of a boundary, given every rank's RNG states."""
-
-
-class StopRequest:
-    """Set from a signal handler (any thread): stop at the next step boundary."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._at_once = threading.Event()
-        self.reason = ""
-
-    def request(self, reason: str) -> None:
-        """Stop at the next step boundary."""
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def request_at_once(self) -> None:
-        """Stop now, without a checkpoint (a second request)."""
-        self._at_once.set()
-
-    def at_once(self) -> bool:
-        return self._at_once.is_set()
 
 
 def rng_to_json(rng: RngStates) -> dict[str, Any]:

@@ -31,12 +31,11 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import RngStates
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
-from lamploop.distributed.boundaries import SavePosition, StopRequest
+from lamploop.distributed.boundaries import SavePosition
 from lamploop.distributed.process_group import create_store
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import (
@@ -54,22 +53,18 @@ from lamploop.distributed.root_setup import (
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
-from lamploop.loop.non_finite import NonFiniteLossPolicy
-from lamploop.loop.precision import Precision
-from lamploop.loop.selection import SelectionMode
+from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.epoch_events import EpochEvents
 from lamploop.reporting.events import PeerJoined, RunFinished, RunStarted
 from lamploop.reporting.reporter import Reporter
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings, check_int
+from lamploop.settings import SettingKeywords, TrainingSettings, Unpack, check_int, merged_settings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
-from lamploop.step_schedules import StepSchedule
 from lamploop.summary import summarize
 from lamploop.sync.collectives import AbortSignal
 from lamploop.sync.group_channel import ProcessGroupChannel
-from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["CheckpointPosition", "OptimizerFactory", "drive_distributed_training", "named_peer_failures"]
 
@@ -141,6 +136,7 @@ class _RootEpochs:
             replica.average.load(init_state.averaged_model, init_state.averaged_count)
         self.events = EpochEvents(emit, _wait_seconds(replica.channel))
         replica.after_step = self.events.after_step
+        replica.step_times = self.events.step_times
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
         average = self.replica.average
@@ -275,28 +271,15 @@ async def drive_distributed_training(
     accumulate_gradient_over_n_batches: int = 1,
     learning_rate_schedule_init_state: S | None = None,
     validation_loss_exponential_smoothing_factor: float = 1.0,
-    strategy: str = "auto",
+    settings: TrainingSettings | None = None,
     host: str = "127.0.0.1",
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    on_non_finite_loss: NonFiniteLossPolicy = "raise",
-    max_gradient_norm: float | None = None,
-    precision: Precision = "32",
-    step_schedule: StepSchedule | None = None,
-    lr_scheduler: LrSchedulerFactory | None = None,
-    lr_scheduler_interval: SchedulerInterval = "epoch",
-    averaging: Averaging | None = None,
-    model_selection_metric: str | None = None,
-    model_selection_mode: SelectionMode = "min",
-    early_stopping_patience: int | None = None,
     checkpoint_position: CheckpointPosition | None = None,
-    checkpoint_every_n_steps: int | None = None,
-    checkpoint_every_seconds: float | None = None,
     init_position: EpochPosition | None = None,
     init_rank_rngs: Sequence[RngStates] = (),
     stop: StopRequest | None = None,
     reporters: Sequence[Reporter] = (),
     checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
+    **keywords: Unpack[SettingKeywords],
 ) -> LoopState:
     """Drive training on the root rank (rank 0); with ``nranks == 1``, train alone.
 
@@ -317,38 +300,23 @@ async def drive_distributed_training(
             the model, optimizer and best-model tensors, and the schedule state the next
             epoch will use; e.g. a :class:`lamploop.checkpoint.Checkpointer`.
         init_state: resume from this (see :func:`lamploop.checkpoint.load_checkpoint`).
-        strategy: a registered gradient-sync strategy (``"all_reduce"``: every rank steps a
-            replicated optimizer; ``"reduce_to_root"``: lamp's, the root steps and broadcasts
-            the parameters), or ``"auto"`` (the default everywhere): ``all_reduce`` when
-            every follower passed ``optimizer_factory``, else ``reduce_to_root``.
+        settings: everything beyond lamp's keywords, as one :class:`TrainingSettings`:
+            the gradient-sync ``strategy`` (``"auto"``: ``all_reduce`` when every follower
+            passed ``optimizer_factory``, else lamp's ``reduce_to_root``), ``bucket_cap_mb``,
+            ``collective_timeout``, ``on_non_finite_loss``, ``max_gradient_norm``,
+            ``precision``, ``step_schedule``, ``lr_scheduler``, averaging, model selection,
+            early stopping and the checkpoint cadence (``checkpoint_every_*``); the settings
+            every rank holds (:attr:`TrainingSettings.EVERY_RANK`) must equal the
+            followers'.  A lamp keyword left at its default takes the settings' value.
+        keywords: the same settings one keyword each (``strategy="all_reduce"``...), as
+            before ``settings=`` (:class:`~lamploop.settings.SettingKeywords`); not together
+            with ``settings=``.
         host: the address the tensor channel's store listens on.
-        bucket_cap_mb: gradient bucket size.
-        collective_timeout: seconds before a collective whose peers are all alive but never
-            arrive fails (lost ranks are found by the control channel long before).
-        on_non_finite_loss: a training step with a NaN or infinite loss on any rank raises
-            :class:`~lamploop.errors.NonFiniteLossError` (``"raise"``) or is skipped by every
-            rank (``"skip_step"``); must equal the followers'.
-        max_gradient_norm: clip each step's gradient, summed over the ranks, to this global
-            L2 norm (``None``: no clipping); must equal the followers'.
-        model_selection_metric, model_selection_mode: pick the best model by a validation
-            metric instead of the loss (see :func:`lamploop.epochs`).
-        early_stopping_patience: stop after this many validations without a new best model.
-        precision: ``"32"`` (default), ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a loss
-            scale, and only with ``all_reduce``); must equal the followers'.
-        step_schedule: a per-step learning-rate factor (warm-up, cosine...), multiplied
-            with the epoch schedule's (see :mod:`lamploop.step_schedules`); must equal the
-            followers'.
-        lr_scheduler, lr_scheduler_interval: a ``torch.optim.lr_scheduler`` factory, stepped
-            after every ``"step"`` or ``"epoch"``, checkpointed (see
-            :mod:`lamploop.torch_schedulers`); must equal the followers'.
-        averaging: keep an EMA (``lamploop.averaging.ema``) or SWA (``swa``) of the weights
-            on the root, in checkpoints too; the model ends holding it instead of the best
-            validation epoch's.
         checkpoint_position: writes a checkpoint at a step boundary (e.g.
             :meth:`lamploop.checkpoint.Checkpointer.save_position`), with every rank's RNG
             states: after every epoch (position: step 0 of the next epoch), when ``stop`` is
-            requested, and every ``checkpoint_every_n_steps`` steps or
-            ``checkpoint_every_seconds`` seconds.
+            requested, and every ``settings.checkpoint_every_n_steps`` steps or
+            ``settings.checkpoint_every_seconds`` seconds.
         init_position, init_rank_rngs: resume at this step boundary of ``init_state``'s
             epoch, with these RNG states of every rank (from a step-boundary checkpoint).
         stop: set it (e.g. from a signal handler) to stop at the next step boundary: a
@@ -372,12 +340,13 @@ async def drive_distributed_training(
         The final :class:`LoopState`.
 
     Raises:
-        ConfigurationError: bad arguments.
+        ConfigurationError: bad arguments; an unknown keyword, or a setting given both as a
+            keyword and in ``settings=``.
         DistributedError: the tensor channel failed or the ranks disagree.
         ControlChannelError: the control channel failed; :class:`PeerLostError` names a lost rank.
         TrainingInterrupted: ``stop`` was requested; the checkpoint of the boundary is written.
     """
-    settings = TrainingSettings.from_arguments(locals())
+    settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
     torch_device = check_place(nranks, device, "drive_distributed_training")
     check_root_arguments(nranks, control, init_position)
     emit = EventEmitter(reporters)

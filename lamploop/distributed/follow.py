@@ -12,22 +12,18 @@ import torch
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlFollower, Train, Valid
-from lamploop.distributed.boundaries import StopRequest
 from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
-from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.optimizer import make_optimizer
-from lamploop.loop.precision import Precision
+from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel
-from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
-from lamploop.step_schedules import StepSchedule
+from lamploop.settings import RankSettingKeywords, TrainingSettings, Unpack, merged_settings
 from lamploop.sync.collectives import AbortSignal
 from lamploop.sync.strategy import AUTO, strategy_named
-from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["follow_distributed_training"]
 
@@ -43,17 +39,10 @@ async def follow_distributed_training(
     validation_batches: BatchStreamFactory | None,
     accumulate_gradient_over_n_batches: int = 1,
     optimizer_factory: OptimizerFactory | None = None,
-    strategy: str = "auto",
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    settings: TrainingSettings | None = None,
     stop: StopRequest | None = None,
-    on_non_finite_loss: NonFiniteLossPolicy = "raise",
-    max_gradient_norm: float | None = None,
-    precision: Precision = "32",
-    step_schedule: StepSchedule | None = None,
-    lr_scheduler: LrSchedulerFactory | None = None,
-    lr_scheduler_interval: SchedulerInterval = "epoch",
     checkpoint_extras: Mapping[str, CheckpointExtra] | None = None,
+    **keywords: Unpack[RankSettingKeywords],
 ) -> None:
     """Follow the root's commands on rank ``rank`` until it sends ``Stop``.
 
@@ -68,9 +57,13 @@ async def follow_distributed_training(
             ``BatchContext(epoch, rank, nranks)``.
         optimizer_factory: needed when every rank steps (``"all_reduce"``); with
             ``strategy="auto"`` passing it on every follower selects ``all_reduce``.
-        strategy, on_non_finite_loss, max_gradient_norm, precision, step_schedule,
-            lr_scheduler, lr_scheduler_interval: must equal the root's (see
-            :func:`drive_distributed_training`).
+        settings: the run's :class:`TrainingSettings`; those every rank holds
+            (:attr:`TrainingSettings.EVERY_RANK`: the strategy, precision, clipping...) must
+            equal the root's (see :func:`drive_distributed_training`), the others are the
+            root's alone and not read here.
+        keywords: the settings every rank holds, one keyword each (``strategy=``...), as
+            before ``settings=`` (:class:`~lamploop.settings.RankSettingKeywords`); not
+            together with ``settings=``.
         stop: set it (e.g. from a signal handler under torchrun) to stop every rank at the
             next step boundary; the root writes a checkpoint there and ends the run.
         checkpoint_extras: this rank's state beside the model (a stream's buffer...); the
@@ -79,15 +72,17 @@ async def follow_distributed_training(
             :func:`drive_distributed_training`).
 
     Raises:
-        ConfigurationError: bad arguments.
+        ConfigurationError: bad arguments; an unknown keyword, or a setting given both as a
+            keyword and in ``settings=``.
         DistributedError: the tensor channel failed or the ranks disagree.
         ControlChannelError: the control channel failed (refused, root lost...).
     """
-    settings = TrainingSettings.from_arguments(locals())
+    settings = merged_settings(follow_distributed_training, locals(), RankSettingKeywords)
     torch_device = check_place(nranks, device, "follow_distributed_training")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)
+    strategy = settings.strategy
     if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
         msg = (
             f"follow_distributed_training: strategy {strategy!r} steps on every rank "

@@ -39,7 +39,17 @@ from lamploop.distributed.network import slurm_first_host, slurm_job_port
 from lamploop.errors import ConfigurationError, ControlChannelError
 from lamploop.modelspec import ModelSpec
 
-__all__ = ["LaunchEnv", "launch_env", "open_root_control", "spawn_followers"]
+__all__ = [
+    "FOLLOWER_EXIT_TIMEOUT_S",
+    "LOCAL_HOST",
+    "LaunchEnv",
+    "default_launch_command",
+    "launch_env",
+    "open_follower_control",
+    "open_root",
+    "open_root_control",
+    "spawn_followers",
+]
 
 DEFAULT_SLURM_CONTROL_PORT = 29511
 _STORE_TIMEOUT_S = 120.0
@@ -257,6 +267,62 @@ async def open_follower_control(
         heartbeat_timeout=heartbeat_timeout,
     ) as follower:
         yield follower
+
+
+LOCAL_HOST = "127.0.0.1"
+"""Where the root listens when it starts its followers itself (they run on this machine)."""
+
+FOLLOWER_EXIT_TIMEOUT_S = 60.0
+"""How long the followers this process started get to exit after the run, before they are killed."""
+
+
+@asynccontextmanager
+async def open_root(
+    env: LaunchEnv | None,
+    nranks: int,
+    *,
+    model_spec: ModelSpec,
+    command: Sequence[str] | None = None,
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+) -> AsyncIterator[tuple[TcpControlRoot | None, str]]:
+    """The root's control channel (``None`` alone) and the host its tensor store listens on.
+
+    One rank needs no channel; under a launcher the channel is published where the
+    launcher's followers look (:func:`open_root_control`); otherwise this process starts
+    ranks ``1..nranks-1`` itself (:func:`spawn_followers`, running ``command``) and, once
+    the block is left, gives them :data:`FOLLOWER_EXIT_TIMEOUT_S` to exit before they are killed.
+    """
+    if nranks == 1:
+        yield None, LOCAL_HOST
+        return
+    if env is not None:
+        async with open_root_control(
+            env,
+            model_spec=model_spec,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+        ) as launched:
+            yield launched, env.root_host
+        return
+    token = secrets.token_hex(16)
+    async with (
+        TcpControlRoot(
+            host=LOCAL_HOST,
+            nranks=nranks,
+            token=token,
+            model_spec=model_spec,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+        ) as root,
+        anyio.create_task_group() as followers,
+    ):
+        spawn_followers(
+            followers, world_size=nranks, control_address=root.address, token=token, command=command
+        )
+        yield root, LOCAL_HOST
+        # The followers got Stop; give them a bounded time to exit before they are killed.
+        followers.cancel_scope.deadline = anyio.current_time() + FOLLOWER_EXIT_TIMEOUT_S
 
 
 def default_launch_command(world_size: int) -> list[str]:

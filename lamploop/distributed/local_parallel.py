@@ -13,24 +13,19 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import attrs
 import torch
 
-from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.errors import ConfigurationError, error_detected_by_every_rank
-from lamploop.loop.non_finite import NonFiniteLossPolicy
-from lamploop.loop.precision import Precision
-from lamploop.loop.selection import SelectionMode
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.settings import DEFAULT_BUCKET_CAP_MB, DEFAULT_COLLECTIVE_TIMEOUT_S, TrainingSettings
+from lamploop.settings import LocalSettingKeywords, TrainingSettings, Unpack, merged_settings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
-from lamploop.step_schedules import StepSchedule
-from lamploop.torch_schedulers import LrSchedulerFactory, SchedulerInterval
 
 __all__ = ["local_data_parallel_training_loop"]
 
@@ -83,32 +78,23 @@ async def local_data_parallel_training_loop(
     learning_rate_schedule_init_state: S | None = None,
     validation_loss_exponential_smoothing_factor: float = 1.0,
     *,
-    strategy: str = "auto",
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    on_non_finite_loss: NonFiniteLossPolicy = "raise",
-    max_gradient_norm: float | None = None,
-    precision: Precision = "32",
-    step_schedule: StepSchedule | None = None,
-    lr_scheduler: LrSchedulerFactory | None = None,
-    lr_scheduler_interval: SchedulerInterval = "epoch",
-    averaging: Averaging | None = None,
-    model_selection_metric: str | None = None,
-    model_selection_mode: SelectionMode = "min",
-    early_stopping_patience: int | None = None,
+    settings: TrainingSettings | None = None,
+    **keywords: Unpack[LocalSettingKeywords],
 ) -> LoopState:
     """Data-parallel training in one process: one replica per device, one thread each.
 
     Each element of ``models_with_data_streams`` is ``(model, train_batches,
     validation_batches)`` for one replica; a replica trains on the device its parameters are
     on.  The trained (best) model ends in the *first* model.  The other arguments are those
-    of :func:`drive_distributed_training`.
+    of :func:`drive_distributed_training`: ``settings=`` (a :class:`TrainingSettings`) or the
+    older keywords one setting each (:class:`~lamploop.settings.LocalSettingKeywords`), not both.
 
     Raises:
-        ConfigurationError: no replicas, or replicas on one CUDA device.
+        ConfigurationError: no replicas, or replicas on one CUDA device; an unknown keyword,
+            or a setting given both as a keyword and in ``settings=``.
         LamploopError: the first error of any replica (the others are ended within seconds).
     """
-    settings = TrainingSettings.from_arguments(locals())
+    merged = merged_settings(local_data_parallel_training_loop, locals(), LocalSettingKeywords)
     if not models_with_data_streams:
         msg = "local_data_parallel_training_loop: models_with_data_streams is empty"
         raise ConfigurationError(msg)
@@ -118,7 +104,6 @@ async def local_data_parallel_training_loop(
     if len(set(cuda)) != len(cuda):
         msg = f"local_data_parallel_training_loop: NCCL needs one CUDA device per replica, got {devices}"
         raise ConfigurationError(msg)
-    step = settings.for_every_rank()
     root, followers = local_control(nranks)
     first = _FirstError()
     (root_model, root_train, root_valid), *others = models_with_data_streams
@@ -135,7 +120,8 @@ async def local_data_parallel_training_loop(
                     train_batches=train,
                     validation_batches=valid,
                     optimizer_factory=optimizer_factory,
-                    **step,
+                    # torch runs one profiler per process: the first replica's.
+                    settings=attrs.evolve(merged, profile=None),
                 )
                 tasks.start_soon(first.watch, run)
             state = await first.watch(
@@ -147,19 +133,11 @@ async def local_data_parallel_training_loop(
                     optimizer_factory=optimizer_factory,
                     train_batches=root_train,
                     validation_batches=root_valid,
-                    max_epochs=settings.max_epochs,
+                    max_epochs=merged.max_epochs,
                     checkpoint_state=checkpoint_state,
-                    validation_frequency=settings.validation_frequency,
-                    return_min_validation_loss_model=settings.return_min_validation_loss_model,
-                    learning_rate_schedule=learning_rate_schedule,
                     init_state=init_state,
                     learning_rate_schedule_init_state=learning_rate_schedule_init_state,
-                    validation_loss_exponential_smoothing_factor=settings.validation_loss_exponential_smoothing_factor,
-                    model_selection_metric=settings.model_selection_metric,
-                    model_selection_mode=model_selection_mode,
-                    early_stopping_patience=settings.early_stopping_patience,
-                    averaging=averaging,
-                    **step,
+                    settings=merged,
                 )
             )
     except BaseException as exc:

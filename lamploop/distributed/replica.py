@@ -26,15 +26,17 @@ from lamploop.errors import ConfigurationError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import one_epoch
 from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
+from lamploop.loop.profiler import StepProfiler
+from lamploop.loop.step_timing import StepTimes
 from lamploop.loop.stop_aware import stop_aware_batches
 from lamploop.model import SupervisedModel
+from lamploop.schedules.step import check_step_factor
+from lamploop.schedules.torch_scheduler import LR_SCHEDULER_KEY, make_lr_scheduler
 from lamploop.settings import TrainingSettings
-from lamploop.step_schedules import check_step_factor
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.group_channel import ProcessGroupChannel
 from lamploop.sync.strategy import SyncStrategy, keeps_state, optimizer_state_per_rank
-from lamploop.torch_schedulers import LR_SCHEDULER_KEY, make_lr_scheduler
 
 __all__ = ["Replica", "learning_rates", "open_replica", "saved_beside_optimizer", "set_learning_rate_factor"]
 
@@ -93,6 +95,10 @@ class Replica:
     average: WeightAverage | None = attrs.field(init=False, default=None)
     # The root's progress sampler (when someone listens): called after every training step.
     after_step: Callable[[int, float | torch.Tensor], object] | None = attrs.field(init=False, default=None)
+    # The root's step breakdown (when someone listens), summed by every training pass.
+    step_times: StepTimes | None = attrs.field(init=False, default=None)
+    # torch.profiler over the run's steps (see lamploop.loop.profiler), closed by open_replica.
+    profiler: StepProfiler | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         # ``saved``: what a checkpoint kept beside the optimizer state (the root's, shared).
@@ -105,6 +111,8 @@ class Replica:
             self.lr_scheduler = make_lr_scheduler(self.settings.lr_scheduler, self.optimizer, saved)
         if self.settings.averaging is not None and self.channel.rank == 0 and self.optimizer is not None:
             self.average = WeightAverage(self.settings.averaging, self.model.module)
+        if self.settings.profile is not None:
+            self.profiler = StepProfiler(self.settings.profile, rank=self.channel.rank, device=self.device)
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` with the loss scale and scheduler beside it, to checkpoint."""
@@ -152,6 +160,8 @@ class Replica:
             loss_scale=self.loss_scale,
             before_step=self._step_learning_rates(epoch, lr_factor),
             after_step=self.after_step,
+            step_times=self.step_times,
+            profiler=self.profiler,
             start=start,
             boundary=self.boundary,
         )
@@ -321,6 +331,12 @@ def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) 
     )
 
 
+def _close_profiler(replica: Replica) -> None:
+    """The run is over here: a profiling window still open writes what it recorded."""
+    if replica.profiler is not None:
+        replica.profiler.close()
+
+
 @asynccontextmanager
 async def open_replica(
     plan: RankPlan, connect: Callable[[], Awaitable[tuple[Any, str]]], abort: AbortSignal
@@ -339,9 +355,13 @@ async def open_replica(
             if rngs:
                 rngs[0].restore()
         boundary = _boundary(plan, None, plan.save is not None)
-        yield plan.replica(
+        replica = plan.replica(
             SingleProcessChannel(), plan.optimizer, run_here, boundary, resume_at, plan.saved, abort
         )
+        try:
+            yield replica
+        finally:
+            _close_profiler(replica)
         return
     store, root_host = await connect()
 
@@ -392,7 +412,11 @@ async def open_replica(
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
-        yield plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort)
+        replica = plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort)
+        try:
+            yield replica
+        finally:
+            _close_profiler(replica)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

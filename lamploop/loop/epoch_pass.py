@@ -17,6 +17,7 @@ sum over ranks is zero, so uneven streams neither hang nor drop examples.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -39,9 +40,12 @@ from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
 from lamploop.loop.pass_totals import Yielder, epoch_totals
 from lamploop.loop.precision import LossScale, Precision, check_precision, unscale_and_check
+from lamploop.loop.profiler import StepProfiler
+from lamploop.loop.step_timing import StepTimes, communication_clock
 from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
+from lamploop.sync.fsdp import is_sharded
 from lamploop.sync.strategy import CountsStepExamples, GradientSync, reduces_linearly
 
 __all__ = ["one_epoch"]
@@ -67,6 +71,8 @@ async def one_epoch(
     loss_scale: LossScale | None = None,
     before_step: Callable[[int], object] | None = None,
     after_step: Callable[[int, float | torch.Tensor], object] | None = None,
+    step_times: StepTimes | None = None,
+    profiler: StepProfiler | None = None,
 ) -> float:
     """Run one pass over ``batches`` and return the mean loss over every example of every rank.
 
@@ -92,11 +98,16 @@ async def one_epoch(
             :mod:`lamploop.loop.precision`).
         loss_scale: fp16's loss scale, to keep across epochs (default: a new one).
         before_step: called with the step's index in the epoch right before each optimizer
-            step (e.g. to set a per-step learning rate; see :mod:`lamploop.step_schedules`).
+            step (e.g. to set a per-step learning rate; see :mod:`lamploop.schedules.step`).
         after_step: called after each step (also a skipped one) with the step's example
             count and loss sum over every rank; on a single rank the loss sum may be a
             tensor on the device, not yet read (reading it waits for the device: a progress
             reporter reads it now and then, see :mod:`lamploop.reporting.sampler`).
+        step_times: add each training step's breakdown (data wait, forward+backward,
+            communication wait, optimizer, checkpoint) to these sums (see
+            :mod:`lamploop.loop.step_timing`); ``None``: no clock is read.
+        profiler: started at the first training step and stepped after every optimizer
+            step (see :mod:`lamploop.loop.profiler`); ignored by a forward-only pass.
 
     Raises:
         ConfigurationError: bad arguments.
@@ -137,6 +148,8 @@ async def one_epoch(
             loss_scale=(loss_scale or LossScale()) if precision == "fp16" else None,
             before_step=before_step,
             after_step=after_step,
+            step_times=step_times,
+            profiler=profiler,
         )
         training = _TrainingPass(
             model, channel, step_optimizer, k, target_device, epoch, start or EpochStart(), boundary, extras
@@ -167,7 +180,10 @@ async def _forward_pass(
     losses: list[torch.Tensor] = []
     count = 0
     yield_now = Yielder()
-    async for item in batches:
+    items: AsyncIterator[Any] = aiter(batches)
+    if channel.nranks > 1 and is_sharded(forward.model.module):
+        items = _padded(items, forward, channel, device, epoch)
+    async for item in items:
         index = len(losses)
         # Gradient mode is per thread: switched off around the forward only, never across an
         # await, where another task of this event loop (a second model training) may run.
@@ -184,6 +200,43 @@ async def _forward_pass(
     return total, global_count, metric_totals
 
 
+async def _padded(
+    items: AsyncIterator[Any],
+    forward: Forward,
+    channel: TensorChannel,
+    device: torch.device | None,
+    epoch: int | None,
+) -> AsyncIterator[Any]:
+    """A sharded model's validation stream: every rank runs a forward while any rank has a batch.
+
+    Each forward all-gathers parameters, a collective: before each batch the ranks sum who
+    has one (one small all-reduce per batch), and a rank whose stream ended runs its first
+    batch again without counting it (``no_grad``; its loss is dropped).
+    """
+    stand_in: Any = None
+    while True:
+        item = await anext(items, None)
+        lacking = item is None and stand_in is None
+        having, stuck = channel.all_reduce_sum([float(item is not None), float(lacking)])
+        if having == 0:
+            return
+        if stuck:
+            place = "" if epoch is None else f"epoch {epoch}: "
+            msg = (
+                f"{place}{int(stuck)} rank(s) have no validation batch while others have: a sharded "
+                "model (strategy 'fsdp') runs every forward on every rank, so each rank's stream "
+                "needs at least one batch"
+            )
+            raise mark_detected_by_every_rank(BatchError(msg))
+        if item is None:
+            with torch.no_grad():
+                forward(stand_in, epoch, 0, channel.rank)
+            continue
+        if stand_in is None:
+            stand_in = prepare(item, device, epoch, 0, channel.rank)
+        yield item
+
+
 @attrs.frozen
 class _StepExtras:
     """What a training step does beyond forward, backward and the optimizer step (see ``one_epoch``)."""
@@ -195,6 +248,8 @@ class _StepExtras:
     loss_scale: LossScale | None
     before_step: Callable[[int], object] | None
     after_step: Callable[[int, float | torch.Tensor], object] | None
+    step_times: StepTimes | None = None
+    profiler: StepProfiler | None = None
 
 
 class _TrainingPass:
@@ -217,6 +272,7 @@ class _TrainingPass:
         self.policy, self.forward, self.metrics = extras.policy, extras.forward, extras.metrics
         self.max_gradient_norm, self.loss_scale = extras.max_gradient_norm, extras.loss_scale
         self.before_step, self.after_step = extras.before_step, extras.after_step
+        self.times, self.profiler = extras.step_times, extras.profiler
         self.rank, self.single = channel.rank, channel.nranks == 1
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
@@ -229,11 +285,19 @@ class _TrainingPass:
         self.step_first = 0  # where the current step's batches start in self.losses
         self.skipped_steps = 0
         self.exact_units = False  # set by run() from the sync (see sync.strategy's module doc)
+        # A sync whose every forward is a collective (fsdp, ``pads_steps``): every rank runs k
+        # forwards per step, a rank without a batch a zero-seeded stand-in (see _stand_in).
+        self.pads = False
+        self.stand_in: Any = None
+        self.any_more = True  # some rank has a batch for the next step (carried in the step sum)
 
     def _requests(self) -> list[float]:
-        if self.boundary is None:
-            return [0.0, 0.0]
-        return [float(flag) for flag in self.boundary.requests(self.steps_done)]
+        requests = (
+            [0.0, 0.0]
+            if self.boundary is None
+            else [float(f) for f in self.boundary.requests(self.steps_done)]
+        )
+        return [*requests, float(self.upcoming is not None)] if self.pads else requests
 
     def _loss_sum(self) -> float:
         """This rank's loss sum so far, added up one batch after the other in float64.
@@ -252,6 +316,7 @@ class _TrainingPass:
         told_examples = sync if isinstance(sync, CountsStepExamples) else None
         # A sync that is not linear is given the step's exact units (see sync.strategy).
         self.exact_units = not self.single and not reduces_linearly(sync)
+        self.pads = not self.single and getattr(sync, "pads_steps", False) is True
         self.model.module.train()
         sync.begin_pass()
         yield_now = Yielder()
@@ -259,9 +324,18 @@ class _TrainingPass:
         for _ in range(self.first_index):  # the steps a resumed pass has done already
             if await anext(stream, None) is None:
                 break
-        self.upcoming = await anext(stream, None)
+        if self.profiler is not None:
+            self.profiler.start()  # before the clock starts: turning it on is no step's time
+        times = self.times
+        if times is not None:
+            times.begin(communication_clock(self.channel))
+        await self._next_batch(stream)
+        if self.pads:
+            self.any_more = self._every_rank_starts()
         while True:
             expected, group_count, pending = await self._forward_backward(stream, sync)
+            if times is not None:
+                times.backward_done()
             if self.single:
                 global_count, checkpoint, stop = group_count, 0, 0
                 if self.boundary is not None:
@@ -272,11 +346,16 @@ class _TrainingPass:
                     pending = self._begin_step_sum(group_count)
                 counts, wants_checkpoint, wants_stop, *step_losses = pending.wait()
                 global_count, checkpoint, stop = int(counts), int(wants_checkpoint), int(wants_stop)
+                if self.pads:
+                    more, *step_losses = step_losses
+                    self.any_more = more > 0
             if global_count == 0:
                 if stop and self.boundary is not None:
                     # Every rank waited for a batch when a stop was requested (no producer yet,
                     # or a stalled one): stop at this boundary (DESIGN.md section 8).
                     await self._at_boundary(sync, stop=True)
+                if times is not None:
+                    times.not_a_step()
                 break
             if self.exact_units:  # also on a rank without a batch: every rank's scale is 1.0
                 expected = global_count
@@ -291,12 +370,21 @@ class _TrainingPass:
                 self.count += group_count
                 self._step()
             sync.after_step()
+            if times is not None:
+                times.optimizer_done()
             self.steps_done += 1
+            if self.profiler is not None:
+                self.profiler.step()
             if self.after_step is not None:
                 self.after_step(global_count, sum(step_losses) if step_losses else self._step_loss())
             if (checkpoint or stop) and self.boundary is not None:
+                began = time.perf_counter()
                 await self._at_boundary(sync, stop=bool(stop))
+                if times is not None:
+                    times.checkpointed(began)
             await yield_now()
+            if times is not None:
+                times.step_done()
         sync.end_pass()
         self.channel.sync_buffers(self.model.module)
         total_loss, global_total, metric_totals = await epoch_totals(
@@ -393,6 +481,15 @@ class _TrainingPass:
             torch._foreach_mul_(grads, guess / total)
         return total
 
+    async def _next_batch(self, stream: AsyncIterator[Any]) -> None:
+        """Await the batch after the one in hand into ``self.upcoming`` (``None``: the stream ended)."""
+        if self.times is None:
+            self.upcoming = await anext(stream, None)
+            return
+        began = time.perf_counter()
+        self.upcoming = await anext(stream, None)
+        self.times.waited_for_data(began)
+
     async def _forward_backward(
         self, stream: AsyncIterator[Any], sync: GradientSync
     ) -> tuple[int, int, PendingSum | None]:
@@ -406,12 +503,19 @@ class _TrainingPass:
         self.step_first = len(self.losses)
         group_count = 0
         pending: PendingSum | None = None
+        if self.pads and not self.any_more:
+            return expected, group_count, pending  # no rank has a batch: the pass ends
         for position in range(self.k):
             if self.upcoming is None:
-                break
+                if not self.pads:
+                    break
+                pending = self._stand_in(position, sync, group_count) or pending
+                continue
             index = self.first_index + len(self.losses)
             batch = prepare(self.upcoming, self.device, self.epoch, index, self.rank)
-            self.upcoming = await anext(stream, None)
+            if self.pads and self.stand_in is None:
+                self.stand_in = batch
+            await self._next_batch(stream)
             loss_sum, n, values = self.forward(batch, self.epoch, index, self.rank)
             if self.metrics:
                 self.metrics.add(values)
@@ -419,7 +523,7 @@ class _TrainingPass:
                 expected = self.k * n  # one rank knows its step's count up front
             self.losses.append(loss_sum.detach())
             group_count += n
-            if not self.single and (position == self.k - 1 or self.upcoming is None):
+            if not self.single and (position == self.k - 1 or (self.upcoming is None and not self.pads)):
                 # Every rank starts the count (with its requests) before any gradient
                 # bucket, so the collectives pair up in the same order on all ranks.
                 pending = self._begin_step_sum(group_count)
@@ -436,3 +540,35 @@ class _TrainingPass:
                 # bit for bit, without a division node in the graph.
                 loss_sum.backward(self.scales.get(expected, loss_sum))
         return expected, group_count, pending
+
+    def _every_rank_starts(self) -> bool:
+        """Whether any rank has a batch; raises on every rank when some have and some have none.
+
+        A padding rank's stand-in is its own first batch of the pass: one with none has nothing
+        to run the forwards the others' collectives wait for.
+        """
+        having = int(self.channel.all_reduce_sum([float(self.upcoming is not None)])[0])
+        if 0 < having < self.channel.nranks:
+            place = "" if self.epoch is None else f"epoch {self.epoch}: "
+            msg = (
+                f"{place}{self.channel.nranks - having} of {self.channel.nranks} ranks have no training "
+                "batch to start the pass with; a sharded model (strategy 'fsdp') runs every forward on "
+                "every rank, so each rank's stream needs at least one batch"
+            )
+            raise mark_detected_by_every_rank(BatchError(msg))
+        return having > 0
+
+    def _stand_in(self, position: int, sync: GradientSync, group_count: int) -> PendingSum | None:
+        """A padding rank's micro-batch without a batch: its first batch, backward seeded with zero.
+
+        It takes part in the forward's and backward's collectives and adds nothing: no
+        example, no loss, no metric, a zero gradient.  At the step's last position it starts
+        the step's sum, as a rank with a batch does there.
+        """
+        loss_sum, _, _ = self.forward(self.stand_in, self.epoch, self.first_index, self.rank)
+        pending = None
+        if position == self.k - 1:
+            pending = self._begin_step_sum(group_count)
+            sync.last_backward()
+        loss_sum.backward(torch.zeros((), dtype=loss_sum.dtype, device=loss_sum.device))
+        return pending

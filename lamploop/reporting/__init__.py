@@ -31,6 +31,7 @@ from lamploop.reporting.events import (
     RunFinished,
     RunStarted,
     RunStopped,
+    StepBreakdown,
     ValidationFinished,
 )
 from lamploop.reporting.logging_reporter import LoggingReporter
@@ -60,6 +61,7 @@ __all__ = [
     "RunFinished",
     "RunStarted",
     "RunStopped",
+    "StepBreakdown",
     "TensorBoardReporter",
     "ValidationFinished",
     "WandbReporter",

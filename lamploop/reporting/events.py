@@ -28,6 +28,7 @@ from typing import TypeAlias
 
 import attrs
 
+from lamploop.loop.step_timing import StepBreakdown
 from lamploop.state import LoopState
 from lamploop.summary import ModelSummary
 
@@ -44,6 +45,7 @@ __all__ = [
     "RunFinished",
     "RunStarted",
     "RunStopped",
+    "StepBreakdown",
     "ValidationFinished",
 ]
 
@@ -159,12 +161,18 @@ class EpochFinished:
     ``seconds``: its wall-clock time (training and validation) in this process; ``steps``
     and ``examples``: the optimizer steps it took and the examples of every rank it trained
     on (a resumed epoch's: those before the checkpoint included).
+
+    ``step_breakdown``: where the root's training steps of the epoch spent their time, summed
+    (data wait, forward+backward, communication wait, optimizer, checkpoint; see
+    :mod:`lamploop.loop.step_timing`); the steps this process ran (a resumed epoch's after
+    the checkpoint), or ``None`` where the run's driver measured none.
     """
 
     state: LoopState
     seconds: float = 0.0
     steps: int = 0
     examples: int = 0
+    step_breakdown: StepBreakdown | None = attrs.field(default=None, kw_only=True)
     time: float = attrs.field(factory=_now, kw_only=True)
 
 

@@ -20,9 +20,18 @@ from lamploop.reporting.events import (
     RunFinished,
     RunStarted,
     RunStopped,
+    StepBreakdown,
 )
 
-__all__ = ["LoggingReporter", "describe_epoch"]
+__all__ = ["LoggingReporter", "describe_epoch", "describe_step_breakdown"]
+
+_PART_NAMES = {
+    "data_wait": "data wait",
+    "forward_backward": "forward+backward",
+    "communication_wait": "communication wait",
+    "optimizer": "optimizer",
+    "checkpoint": "checkpoint",
+}
 
 
 def describe_epoch(event: EpochFinished) -> str:
@@ -40,6 +49,21 @@ def describe_epoch(event: EpochFinished) -> str:
     for name, (smoothed, raw) in entry.validation_metrics.items():
         text += f", validation {name} {raw:.4f}{_smoothed(smoothed, raw)}"
     return text
+
+
+def describe_step_breakdown(breakdown: StepBreakdown) -> str:
+    """``per step 3.21 ms: data wait 4%, forward+backward 80%, ..., other 0%`` (shares of the steps' time).
+
+    >>> two_steps = StepBreakdown(steps=2, seconds=0.01, data_wait=0.001, forward_backward=0.008)
+    >>> print(describe_step_breakdown(two_steps))  # doctest: +NORMALIZE_WHITESPACE
+    per step 5.00 ms: data wait 10%, forward+backward 80%, communication wait 0%, optimizer 0%,
+    checkpoint 0%, other 10%
+    """
+    whole = breakdown.seconds if breakdown.seconds > 0 else 1.0
+    shares = [(_PART_NAMES[name], value) for name, value in breakdown.parts().items()]
+    shares.append(("other", breakdown.other))
+    mean_ms = 1000 * breakdown.seconds / max(breakdown.steps, 1)
+    return f"per step {mean_ms:.2f} ms: " + ", ".join(f"{name} {100 * v / whole:.0f}%" for name, v in shares)
 
 
 def _smoothed(smoothed: float, raw: float) -> str:
@@ -60,7 +84,9 @@ def describe_run_started(event: RunStarted) -> str:
 def _describe(event: Event) -> tuple[int, str] | None:
     """The level offset (0: the reporter's level; ERROR/WARNING/DEBUG as is) and text of an event."""
     if isinstance(event, EpochFinished):
-        return 0, describe_epoch(event)
+        if event.step_breakdown is None:
+            return 0, describe_epoch(event)
+        return 0, f"{describe_epoch(event)} ({describe_step_breakdown(event.step_breakdown)})"
     if isinstance(event, RunStarted):
         return 0, describe_run_started(event)
     if isinstance(event, RunFinished):

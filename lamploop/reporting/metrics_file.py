@@ -2,8 +2,10 @@
 
 Each finished epoch adds a row: ``epoch``, ``training_loss``, ``validation_loss`` (raw),
 ``validation_loss_smoothed``, ``learning_rate_factor``, ``seconds``, ``steps``,
-``examples``, then ``train_<metric>`` and ``validation_<metric>`` (raw) for each metric;
-JSON lines also carry ``time``.  An existing file is appended to, so a resumed run goes
+``examples``, the step breakdown's :data:`STEP_COLUMNS` when the run measured one (seconds
+summed over the epoch's steps: ``step_seconds``, ``data_wait_seconds``...), then
+``train_<metric>`` and ``validation_<metric>`` (raw) for each metric; JSON lines also carry
+``time``.  An existing file is appended to, so a resumed run goes
 on in the same file.  Values a row does not have are empty in CSV and ``null`` in JSON.
 
 >>> import csv, os, tempfile
@@ -31,7 +33,7 @@ from typing import Any, Literal, TextIO
 from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import EpochFinished, Event
 
-__all__ = ["BASE_COLUMNS", "MetricsFileReporter", "epoch_row"]
+__all__ = ["BASE_COLUMNS", "STEP_COLUMNS", "MetricsFileReporter", "epoch_row"]
 
 logger = logging.getLogger("lamploop")
 
@@ -48,9 +50,21 @@ BASE_COLUMNS = (
     "examples",
 )
 
+STEP_COLUMNS = (
+    "step_seconds",
+    "data_wait_seconds",
+    "forward_backward_seconds",
+    "communication_wait_seconds",
+    "optimizer_seconds",
+    "checkpoint_seconds",
+)
+"""The step breakdown's columns (:class:`~lamploop.loop.step_timing.StepBreakdown`): the wall time
+of the epoch's steps, then its five parts, each summed over the steps."""
+
 
 def epoch_row(event: EpochFinished) -> dict[str, Any]:
-    """The row of one epoch: :data:`BASE_COLUMNS`, then ``train_<m>`` and ``validation_<m>``.
+    """The row of one epoch: :data:`BASE_COLUMNS`, :data:`STEP_COLUMNS` (with a step breakdown),
+    then ``train_<m>`` and ``validation_<m>``.
 
     Each training metric also has a ``validation_<m>`` column (empty in epochs that did not
     validate), so the columns of a run do not depend on whether its first epoch validated.
@@ -67,6 +81,11 @@ def epoch_row(event: EpochFinished) -> dict[str, Any]:
         "steps": event.steps,
         "examples": event.examples,
     }
+    breakdown = event.step_breakdown
+    if breakdown is not None:
+        row["step_seconds"] = breakdown.seconds
+        for name, value in breakdown.parts().items():
+            row[f"{name}_seconds"] = value
     for name, value in entry.training_metrics.items():
         row[f"train_{name}"] = value
     for name in entry.training_metrics:
@@ -86,7 +105,8 @@ class MetricsFileReporter:
 
     CSV: the first row fixes the columns (see :func:`epoch_row`) and writes the header,
     unless the file has one already: the same columns, or more columns that include every
-    one of the row's, are carried on; other headers are refused.  A later row with a
+    one of the row's, are carried on (also one without :data:`STEP_COLUMNS`, written before
+    step breakdowns were: they are left out); other headers are refused.  A later row with a
     column the header lacks is written without it, and the lost column logged (once).
     JSON lines: one object per row, with ``time`` (the event's) added.  Each row is
     flushed as it is written.
@@ -138,7 +158,8 @@ class MetricsFileReporter:
         if header is None:
             columns = list(row)
         elif header == list(row) or (
-            header[: len(BASE_COLUMNS)] == list(BASE_COLUMNS) and set(row) <= set(header)
+            # A file from before step breakdowns were written is carried on without them.
+            header[: len(BASE_COLUMNS)] == list(BASE_COLUMNS) and set(row) - set(STEP_COLUMNS) <= set(header)
         ):
             columns = header
         else:

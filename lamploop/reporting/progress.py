@@ -42,7 +42,7 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
-from lamploop.reporting.logging_reporter import describe_epoch, describe_run_started
+from lamploop.reporting.logging_reporter import describe_epoch, describe_run_started, describe_step_breakdown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -67,6 +67,8 @@ def _finished_line(event: EpochFinished) -> str:
     text = f"{describe_epoch(event)} ({seconds} s"
     if event.seconds > 0:
         text += f", {event.examples / event.seconds:.0f} examples/s"
+    if event.step_breakdown is not None:
+        text += f"; {describe_step_breakdown(event.step_breakdown)}"
     return text + ")"
 
 
@@ -109,7 +111,8 @@ class ProgressReporter:
     from ``EpochStarted``, a steps bar sized by ``expected_steps``, indeterminate when that
     is unknown); ``ProgressSampled`` moves the steps bar and shows its loss, examples per
     second and the time left; ``EpochFinished`` prints :func:`describe_epoch`'s line, the
-    epoch's seconds and examples per second above the bars; ``PeerLost`` prints a line;
+    epoch's seconds and examples per second (and where its steps' time went, when the event
+    carries a step breakdown) above the bars; ``PeerLost`` prints a line;
     ``RunFinished`` stops the display and prints a last line; ``RunStopped`` and ``RunFailed``
     only stop it (the caller gets the error or the stop, and says it once).
 

@@ -3,7 +3,7 @@
 ``lamploop demo`` trains it, shows its progress (live bars on a terminal, one line
 per epoch in a pipe: :class:`~lamploop.reporting.progress.ProgressReporter`) and the
 final validation accuracy, and leaves checkpoints in ``--out`` with its
-settings beside them (``config.json``, a :class:`~lamploop.config.DemoConfig`); run
+settings beside them (``config.json``, a :class:`~lamploop.demo.config.DemoConfig`); run
 it again, or ``lamploop demo --resume DIR``, and it resumes from the latest
 checkpoint with those settings.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lamploop.batches import tensor_batches
-from lamploop.config import CONFIG_NAME, DemoConfig, has_checkpoints, resolve_config, save_config
+from lamploop.demo.config import CONFIG_NAME, DemoConfig, has_checkpoints, resolve_config, save_config
 from lamploop.errors import ConfigurationError
 from lamploop.fit import fit
 from lamploop.model import SupervisedModel
@@ -100,7 +100,7 @@ def demo_config(
     resume: bool = False,
     given_by: str = "the command line",
 ) -> DemoConfig:
-    """The :class:`DemoConfig` to train with in ``directory`` (see :func:`lamploop.config.resolve_config`).
+    """The :class:`DemoConfig` to train with in ``directory`` (:func:`~lamploop.demo.config.resolve_config`).
 
     ``given`` are the settings asked for (the rest are the saved ones, or the defaults in a
     fresh directory); with ``resume``, ``directory`` must hold a ``config.json``.

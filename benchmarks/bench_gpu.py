@@ -12,7 +12,12 @@ batches on the device, shared) and optimizer (``SGD(lr=1e-3, momentum=0.9)``):
   code path, bucket hooks and all);
 * ``ddp-nccl1``: the hand loop on ``DistributedDataParallel(model, device_ids=[0])``, one
   NCCL rank, DDP's defaults;
-* ``ddp-nccl1 tuned``: the same with ``gradient_as_bucket_view=True, static_graph=True``.
+* ``ddp-nccl1 tuned``: the same with ``gradient_as_bucket_view=True, static_graph=True``;
+* ``lamploop-fsdp1`` (the fsdp section): ``one_epoch`` with :class:`lamploop.sync.FullyShard`
+  (one FSDP2 unit per ``Linear`` and the root) over lamploop's NCCL group of one rank;
+* ``hand-fsdp1``: the hand loop on ``fully_shard`` per ``Linear`` and on the root, over the
+  default NCCL group of one rank (PyTorch's FSDP2 as its docs write it).  With one rank
+  nothing is sharded: the pair measures what lamploop's loop adds on top of FSDP2's hooks.
 
 Every variant's model, optimizer and wrapper (DDP, lamploop's channel) are built once, before
 any timing, and kept for the whole run (DDP's bucket rebuild after its first iteration falls
@@ -50,6 +55,8 @@ from _common import make_parser, summarize, write_json
 
 import lamploop
 from lamploop.distributed.process_group import new_process_group
+from lamploop.sync.collectives import Collectives
+from lamploop.sync.fsdp import FullyShard
 from lamploop.sync.group_channel import ProcessGroupChannel
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -59,6 +66,7 @@ RATIOS = (
     ("lamploop-nccl1", "ddp-nccl1 tuned"),
     ("lamploop-nccl1", "hand"),
     ("ddp-nccl1", "hand"),
+    ("lamploop-fsdp1", "hand-fsdp1"),
 )
 
 
@@ -144,6 +152,23 @@ def main(argv: list[str] | None = None) -> int:
         static_graph=True,
     )
     tuned_opt = torch.optim.SGD(tuned.parameters(), lr=1e-3, momentum=0.9)
+    # The fsdp section: lamploop's FullyShard and PyTorch's FSDP2 by hand, one rank each.
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp_module, _ = fresh()
+    fsdp_strategy = FullyShard()
+    fsdp_strategy.shard(Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_module)
+    fsdp_opt = torch.optim.SGD(fsdp_module.parameters(), lr=1e-3, momentum=0.9)
+    fsdp_model = lamploop.SupervisedModel(fsdp_module)
+    fsdp_channel = ProcessGroupChannel(
+        Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_strategy
+    )
+    hand_fsdp, _ = fresh()
+    for layer in hand_fsdp.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(hand_fsdp)
+    hand_fsdp_opt = torch.optim.SGD(hand_fsdp.parameters(), lr=1e-3, momentum=0.9)
 
     def lamploop_epoch(model: lamploop.SupervisedModel, opt: torch.optim.Optimizer, **channel_: Any) -> None:
         anyio.run(
@@ -156,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "lamploop-nccl1": lambda: lamploop_epoch(nccl_model, nccl_opt, channel=channel),
         "ddp-nccl1": lambda: hand_epoch(ddp, ddp_opt, batches),
         "ddp-nccl1 tuned": lambda: hand_epoch(tuned, tuned_opt, batches),
+        "lamploop-fsdp1": lambda: lamploop_epoch(fsdp_model, fsdp_opt, channel=fsdp_channel),
+        "hand-fsdp1": lambda: hand_epoch(hand_fsdp, hand_fsdp_opt, batches),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     load_start = list(os.getloadavg())
@@ -169,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             if r > 0:  # round 0 warms up
                 times[name].append((time.perf_counter() - start) / steps)
     channel.close()
+    fsdp_channel.close()
     load_end = list(os.getloadavg())
 
     what = "CPU (a check of the script, not a GPU figure)" if on_cpu else torch.cuda.get_device_name(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+from pathlib import Path
 
 import anyio
 import pytest
@@ -102,3 +103,31 @@ def test_fit_with_the_default_device_trains_on_cuda() -> None:
     )
     assert state is not None
     assert [d.type for d in seen] == ["cuda"]
+
+
+@pytest.mark.timeout(120)
+def test_fully_sharded_on_one_nccl_rank_matches_cpu(tmp_path: Path) -> None:
+    """:class:`~lamploop.sync.FullyShard` over NCCL (one rank: FSDP2's hooks, the stand-in rule,
+    the sharded checkpoint) gives the CPU's plain training, and its checkpoint reads back whole."""
+    from lamploop.checkpoint.sharded import read_full, save_sharded
+    from lamploop.sync.collectives import Collectives
+    from lamploop.sync.fsdp import FullyShard
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+    gpu = copy.deepcopy(cpu).to("cuda")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    device = torch.device("cuda", 0)
+    group = new_process_group(store, rank=0, nranks=1, device=device, timeout=30, prefix="fsdp")
+    collectives = Collectives(group, rank=0, nranks=1, device=device, timeout=30)
+    strategy = FullyShard()
+    strategy.shard(collectives, gpu)
+    channel = ProcessGroupChannel(collectives, strategy)
+    gpu_losses = _train(gpu, channel, "cuda")
+    cpu_losses = _train(cpu, None, "cpu")
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-9)
+    path = save_sharded(tmp_path, collectives=collectives, module=gpu, optimizer=None, epoch=3)
+    saved, _, _ = read_full(path)
+    for name, q in cpu.named_parameters():
+        torch.testing.assert_close(saved[name], q.detach(), atol=1e-9, rtol=0)
+    channel.close()

@@ -8,6 +8,9 @@
   :mod:`~lamploop.sync.powersgd` (``powersgd1``, ``powersgd4``) and
   :mod:`~lamploop.sync.local_sgd` (``local_sgd8``, ``diloco8``) -- strategies that send
   less per step (docs/strategies.md);
+- :mod:`~lamploop.sync.fsdp` (:class:`FullyShard`) -- parameters, gradients and optimizer
+  state sharded over the ranks, on PyTorch's FSDP2 (with ``one_epoch``; not registered
+  until the drivers shard the model, see docs/strategies.md);
 - :mod:`~lamploop.sync.collectives` -- a process group's collectives, every wait bounded
   and abortable;
 - :mod:`~lamploop.sync.channel`, :mod:`~lamploop.sync.group_channel` -- the tensor channel
@@ -20,6 +23,7 @@ from lamploop.sync.all_reduce import AllReduce
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
 from lamploop.sync.compressed_all_reduce import CompressedAllReduce
+from lamploop.sync.fsdp import FullyShard
 from lamploop.sync.local_sgd import LocalSGD, OuterNesterov
 from lamploop.sync.powersgd import PowerSGD
 from lamploop.sync.reduce_to_root import ReduceToRoot
@@ -50,6 +54,7 @@ __all__ = [
     "Collectives",
     "CompressedAllReduce",
     "CountsStepExamples",
+    "FullyShard",
     "GradientSync",
     "LocalSGD",
     "OuterNesterov",

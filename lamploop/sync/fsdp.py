@@ -1,0 +1,350 @@
+"""``fsdp``: fully sharded data parallel on PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Every rank holds ``1/R`` of each parameter, of its gradient and of its optimizer state
+(dim-0 shards, as FSDP2 cuts them); a forward all-gathers a unit's parameters, a backward
+reduce-scatters its gradients.  The engine is PyTorch's own; this module puts it behind
+lamploop's :class:`~lamploop.sync.strategy.GradientSync` contract:
+
+- *Gradients are sums, scaled after.*  FSDP2 would average over ranks; lamploop's contract
+  is the sum over ranks of each rank's ``d(loss_sum / expected)``, times ``reduce``'s scale
+  (the mean over all examples of all ranks).  The units are told to divide by ``1``
+  (``set_gradient_divide_factor``), and :meth:`FullyShardedSync.reduce` scales the local
+  gradient shards: the sync reduces linearly.
+- *Accumulation reduce-scatters every micro-batch* into the sharded ``.grad`` (which FSDP2
+  accumulates), so a step with ``k`` batches never holds an unsharded gradient: memory
+  stays at the sharded size, communication is ``k`` reduce-scatters.
+- *Every rank runs every forward.*  Each forward and backward is a collective, so a rank
+  whose stream ended must still run one when another rank has a batch.  The sync says so
+  (``pads_steps = True``) and :func:`lamploop.one_epoch` then runs a *stand-in* (this
+  rank's first batch of the pass, with its backward seeded by zero: no example, no
+  gradient) in every micro-batch position that has no batch, and carries "has another
+  batch" in the step's sum so that no rank starts a step nobody has data for.
+
+The process group: lamploop builds its own Gloo/NCCL group object over a store (never the
+global default group, see :mod:`lamploop.distributed.process_group`), and FSDP2 wants a
+``DeviceMesh``.  :func:`mesh_of` wraps lamploop's group in a ``ProcessGroup`` registered
+under a name of its own and builds a one-dimensional mesh over it; the c10d calls this needs
+(``ProcessGroup._register_backend``, ``DeviceMesh(_init_backend=False, _rank=...)``) are
+private, hence kept here, in one function.  FSDP2's collectives and lamploop's step sums then
+share one group and are issued in the same order on every rank.
+
+Use without the drivers (one process per rank, a group of your own)::
+
+    collectives = Collectives(group, rank=rank, nranks=nranks, device=device, timeout=600)
+    strategy = FullyShard()
+    strategy.shard(collectives, module)                  # before making the optimizer
+    optimizer = torch.optim.Adam(module.parameters())    # over the shards
+    channel = ProcessGroupChannel(collectives, strategy)
+    await one_epoch(model=model, batches=..., channel=channel, step_optimizer=optimizer.step)
+
+Checkpoints of a sharded model: :mod:`lamploop.checkpoint.sharded`.
+
+.. versionadded:: 0.4
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import GroupName
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lamploop.errors import ConfigurationError
+from lamploop.sync.collectives import Collectives
+from lamploop.sync.strategy import GradientSync
+
+__all__ = [
+    "FullyShard",
+    "FullyShardedSync",
+    "default_units",
+    "is_sharded",
+    "local_bytes",
+    "mesh_of",
+    "rebuild_optimizer",
+]
+
+_DTYPES: dict[str, torch.dtype] = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
+_names = itertools.count()
+_meshes_lock = threading.Lock()
+_meshes: weakref.WeakKeyDictionary[Collectives, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def mesh_of(collectives: Collectives) -> DeviceMesh:
+    """The one-dimensional device mesh over ``collectives``' process group (made once per ``collectives``).
+
+    The group is registered under a name of its own for as long as the mesh lives (the
+    sharded module's parameters hold it); nothing here keeps it alive longer.
+
+    Raises:
+        ConfigurationError: a device that is neither ``cpu`` (Gloo) nor ``cuda`` (NCCL).
+    """
+    with _meshes_lock:
+        mesh = _meshes.get(collectives)
+        if mesh is None:
+            mesh = _new_mesh(collectives)
+            _meshes[collectives] = mesh
+        return mesh
+
+
+def _new_mesh(collectives: Collectives) -> DeviceMesh:
+    device_type = collectives.device.type
+    if device_type == "cpu":
+        backend_type = dist.ProcessGroup.BackendType.GLOO
+    elif device_type == "cuda":
+        backend_type = dist.ProcessGroup.BackendType.NCCL
+    else:
+        msg = f"strategy 'fsdp': device type {device_type!r} is not supported (cpu or cuda)"
+        raise ConfigurationError(msg)
+    name = GroupName(f"lamploop-fsdp-{os.getpid()}-{next(_names)}")
+    # A ProcessGroup around lamploop's backend object: FSDP2 and DTensor look groups up by
+    # name (functional collectives) and ask them for ranks and sizes.
+    wrapper = dist.ProcessGroup(dist.HashStore(), collectives.rank, collectives.nranks)
+    wrapper._set_default_backend(backend_type)
+    wrapper._register_backend(torch.device(device_type), backend_type, collectives.group)
+    wrapper._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, wrapper)
+    ranks = torch.arange(collectives.nranks, dtype=torch.int)
+    mesh = DeviceMesh(device_type, ranks, _init_backend=False, _rank=collectives.rank)
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = wrapper
+    # Released with the mesh, during the run, not while the interpreter finalizes (where a
+    # Gloo group's destruction can abort the process, see lamploop.sync.abandon).
+    weakref.finalize(mesh, torch._C._distributed_c10d._unregister_process_group, name)
+    return mesh
+
+
+def default_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP units when none are named: each direct child of ``module`` that holds parameters.
+
+    The root is always a unit too (it takes what no child holds).  For a stack of blocks pass
+    ``units=lambda m: list(m.blocks)`` instead: one all-gather per block.
+    """
+    return [child for child in module.children() if next(child.parameters(), None) is not None]
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was sharded by ``fully_shard`` (its root is an FSDP unit)."""
+    return isinstance(module, FSDPModule)
+
+
+def local_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """Bytes held by this rank for ``tensors``: a DTensor's local shard, a plain tensor's storage.
+
+    Views of one storage count once (a flat buffer with parameter views, say).
+    """
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: torch.nn.Module
+) -> torch.optim.Optimizer:
+    """``optimizer``'s twin over ``module``'s sharded parameters, its state cut to this rank's shards.
+
+    ``names`` maps ``id()`` of each parameter the optimizer was made over to its name in
+    ``module`` (taken before sharding, which replaces every parameter).  Each param group
+    keeps its options; a state tensor shaped like its parameter becomes that parameter's
+    local shard, anything else (a step count) is kept as is.
+
+    Raises:
+        ConfigurationError: the optimizer holds a parameter that is not ``module``'s.
+    """
+    sharded = dict(module.named_parameters())
+    old_to_new: dict[int, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None or name not in sharded:
+                msg = (
+                    "strategy 'fsdp': the optimizer holds a parameter that is not the model's "
+                    f"(shape {tuple(p.shape)}); make it from model.parameters()"
+                )
+                raise ConfigurationError(msg)
+            old_to_new[id(p)] = sharded[name]
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [old_to_new[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    rebuilt = type(optimizer)(groups, **optimizer.defaults)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            new = old_to_new[id(p)]
+            rebuilt.state[new] = {key: _shard_like(value, p, new) for key, value in state.items()}
+    return rebuilt
+
+
+def _shard_like(value: Any, full: torch.Tensor, sharded: torch.nn.Parameter) -> Any:
+    if isinstance(value, torch.Tensor) and isinstance(sharded, DTensor) and value.shape == full.shape:
+        # Every rank holds the full tensor (broadcast from the root): cut locally, no collective.
+        return distribute_tensor(
+            value.detach().to(sharded.device), sharded.device_mesh, sharded.placements, src_data_rank=None
+        )
+    return value
+
+
+class FullyShardedSync:
+    """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`FullyShard` (see the module doc)."""
+
+    reduces_linearly = True  # sums reduce-scattered, scaled after: the loop may guess the count
+    pads_steps = True  # each forward is a collective: every rank runs one per micro-batch
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        self._parameters = [p for p in parameters if p.requires_grad]
+
+    def _clear(self) -> None:
+        for p in self._parameters:
+            p.grad = None
+
+    def begin_pass(self) -> None:
+        self._clear()
+
+    def last_backward(self) -> None:
+        """Every backward reduce-scatters already (see the module doc)."""
+
+    def reduce(self, scale: float) -> None:
+        """FSDP2 reduce-scattered the sums in backward; only the local shards are scaled."""
+        if scale != 1.0:
+            grads = [_local(p.grad) for p in self._parameters if p.grad is not None]
+            torch._foreach_mul_(grads, scale)
+
+    def after_step(self) -> None:
+        self._clear()
+
+    def end_pass(self) -> None:
+        """FSDP2 waits for its reduce-scatters at the end of each backward: nothing in flight."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Stateless: the shards live in the module and the optimizer."""
+
+    def close(self, *, abandon: bool) -> None:
+        """FSDP2's hooks stay with the module, which stays sharded."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@attrs.frozen(kw_only=True)
+class FullyShard:
+    """The ``fsdp`` strategy (registered by :mod:`lamploop.sync`): FSDP2 behind lamploop's contract.
+
+    Attributes:
+        name: the registered name.
+        units: the submodules that become FSDP units (each all-gathers its parameters for
+            its own forward and frees them after): :func:`default_units` when ``None``.
+        reshard_after_forward: free a unit's gathered parameters after its forward and
+            gather them again in backward (least memory); ``False`` keeps them until the
+            backward (one all-gather less per unit and step).
+        param_dtype: ``"bf16"`` or ``"16"`` to run forward and backward on parameters cast
+            to that dtype (FSDP2's mixed precision; the shards and the optimizer stay in
+            their own dtype); ``None``: the parameters' dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in; ``None``: ``param_dtype``'s.
+    """
+
+    name: str = "fsdp"
+    steps_on_every_rank: bool = True
+    units: Callable[[torch.nn.Module], Sequence[torch.nn.Module]] | None = None
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for field, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype)):
+            if value is not None and value not in _DTYPES:
+                msg = f"FullyShard: {field} must be None or one of {sorted(_DTYPES)}, got {value!r}"
+                raise ConfigurationError(msg)
+
+    def _policy(self) -> MixedPrecisionPolicy:
+        param = _DTYPES[self.param_dtype] if self.param_dtype is not None else None
+        reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype is not None else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+    def shard(self, collectives: Collectives, module: torch.nn.Module) -> torch.nn.Module:
+        """Shard ``module`` in place over ``collectives``' ranks (every rank alike); returns it.
+
+        Every rank must hold the same parameters (the drivers broadcast the root's first).
+        Make the optimizer afterwards, or rebuild it with :func:`rebuild_optimizer`:
+        sharding replaces every parameter by a ``DTensor`` shard.
+
+        Raises:
+            ConfigurationError: ``module`` is sharded already, or the device is not supported.
+        """
+        if is_sharded(module):
+            msg = "strategy 'fsdp': the model is sharded already"
+            raise ConfigurationError(msg)
+        mesh = mesh_of(collectives)
+        units = self.units(module) if self.units is not None else default_units(module)
+        policy = self._policy()
+        for unit in units:
+            if unit is module:
+                continue
+            fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                # Sums, not means (lamploop scales in reduce); zeros for a parameter a forward
+                # did not use, so that every rank reduce-scatters the same tensors.
+                unit.set_gradient_divide_factor(1.0)
+                # A plain SUM collective: FSDP2 would use PREMUL_SUM(1 / factor) for float32 and
+                # bfloat16, which Gloo refuses (and NCCL needs no scaling by 1 either).
+                unit.set_force_sum_reduction_for_comms(True)
+                unit.set_reduce_scatter_unused_params(True, recurse=False)
+        return module
+
+    def prepare(
+        self, collectives: Collectives, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> torch.optim.Optimizer | None:
+        """Shard ``module`` and rebuild ``optimizer`` over its shards (the drivers' set-up hook)."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        self.shard(collectives, module)
+        return rebuild_optimizer(optimizer, names, module) if optimizer is not None else None
+
+    def gradient_sync(
+        self,
+        collectives: Collectives,
+        parameters: Sequence[torch.nn.Parameter],
+        modules: Sequence[torch.nn.Module],
+        *,
+        bucket_cap_mb: float,
+    ) -> GradientSync:
+        """The sync of a model :meth:`shard` sharded (``modules[0]`` is its root).
+
+        Raises:
+            ConfigurationError: the model was not sharded first.
+        """
+        if not modules or not is_sharded(modules[0]):
+            msg = (
+                "strategy 'fsdp': shard the model first (FullyShard.shard(collectives, module)), "
+                "then make its optimizer over the shards"
+            )
+            raise ConfigurationError(msg)
+        return FullyShardedSync(parameters)

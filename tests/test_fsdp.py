@@ -1,0 +1,304 @@
+"""The sharded strategy (:class:`lamploop.sync.FullyShard`) and its checkpoints, on real Gloo groups.
+
+Two runs of ``tests/workers/fsdp_rank.py`` (2 ranks, then 3), each a sequence of jobs, so that
+the processes start twice for the whole module.  The references lamploop did not write: PyTorch's
+FSDP2 in a loop written from its docs (the ``hand`` jobs), and plain float64 training in this
+process on the same examples (:func:`float64_reference`).  The MLP 8-13-5 has odd sizes, so
+the shards are uneven; 62 examples in batches of 6 dealt round robin make the ranks' streams
+uneven (2 ranks: 6 and 5 batches; 3 ranks: 4, 4 and 3), also inside a step with accumulation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import free_port
+from torch import nn
+from workers import fsdp_rank as worker
+
+from lamploop.checkpoint.sharded import load_sharded, read_full, save_sharded, shard_file, verify_sharded
+from lamploop.errors import ConfigurationError
+from lamploop.sync.collectives import Collectives
+from lamploop.sync.fsdp import FullyShard
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+WORKER = Path(__file__).parent / "workers" / "fsdp_rank.py"
+EXACT = 1e-10
+N = 62
+# Jobs both world sizes run: lamploop and the hand-written FSDP2 loop, Adam with accumulation,
+# SGD with momentum and clipping (a global norm over shards), one without resharding.
+CASES = [
+    {"optimizer": "adam", "k": 2, "epochs": 2},
+    {"optimizer": "sgd", "k": 1, "epochs": 2, "clip": 0.5},
+    {"optimizer": "sgd", "k": 3, "epochs": 1, "reshard": False},
+]
+
+
+def _case_name(case: dict[str, Any]) -> str:
+    return (
+        f"{case['optimizer']}-k{case['k']}"
+        + ("-clip" if "clip" in case else "")
+        + ("-keep" if "reshard" in case else "")
+    )
+
+
+def _start(rundir: Path, nranks: int, jobs: list[dict[str, Any]]) -> list[subprocess.Popen[bytes]]:
+    rundir.mkdir(parents=True, exist_ok=True)
+    (rundir / "jobs.json").write_text(json.dumps({"port": free_port(), "jobs": jobs}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rundir), str(rank), str(nranks)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(nranks)
+    ]
+
+
+def _finish(runs: list[tuple[Path, list[subprocess.Popen[bytes]]]], timeout: float = 180.0) -> None:
+    """Wait for every process of ``runs`` (bounded), kill what is left, fail with a rank's traceback."""
+    deadline = time.monotonic() + timeout
+    outputs: dict[tuple[Path, int], str] = {}
+    try:
+        for rundir, procs in runs:
+            for rank, proc in enumerate(procs):
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                outputs[rundir, rank] = out.decode(errors="replace")
+    finally:
+        for _, procs in runs:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+    for rundir, procs in runs:
+        for rank, proc in enumerate(procs):
+            if proc.returncode != 0:
+                failed = rundir / f"failed.rank{rank}"
+                detail = failed.read_text() if failed.exists() else outputs.get((rundir, rank), "")[-4000:]
+                pytest.fail(
+                    f"{rundir.name}: rank {rank} of {len(procs)} exited with {proc.returncode}:\n{detail}"
+                )
+
+
+def _jobs(nranks: int) -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
+    for case in CASES:
+        name = _case_name(case)
+        jobs.append({"kind": "lamploop", "name": f"lamploop-{name}", "n": N, "validate": True, **case})
+        jobs.append({"kind": "hand", "name": f"hand-{name}", "n": N, **case})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The 2-rank and the 3-rank run, started together (the 3-rank run loads the 2-rank
+    checkpoint last, once it exists)."""
+    two, three = tmp_path_factory.mktemp("fsdp2"), tmp_path_factory.mktemp("fsdp3")
+    adam = {"n": N, "optimizer": "adam", "k": 2}
+    two_jobs = [
+        *_jobs(2),
+        # A checkpoint after epoch 1 of 2, the uninterrupted run, and the run resumed from it.
+        {"kind": "lamploop", "name": "saved", "epochs": 1, "save": "ckpt", "save_at": 1, **adam},
+        {"kind": "lamploop", "name": "resumed", "epochs": 2, "load": "ckpt", **adam},
+        {"kind": "no_batch", "name": "no_batch"},
+    ]
+    (three / "ckpt").symlink_to(two / "ckpt", target_is_directory=True)
+    three_jobs = [*_jobs(3), {"kind": "load_only", "name": "loaded", "optimizer": "adam", "load": "ckpt"}]
+    _finish([(two, _start(two, 2, two_jobs)), (three, _start(three, 3, three_jobs))])
+    return two, three
+
+
+@pytest.fixture(scope="module")
+def two_ranks(runs: tuple[Path, Path]) -> Path:
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(runs: tuple[Path, Path]) -> Path:
+    return runs[1]
+
+
+def float64_reference(case: dict[str, Any], nranks: int) -> dict[str, torch.Tensor]:
+    """One process, float64: each step's examples of every rank in one batch, mean loss."""
+    x, y = worker.data(N)
+    module = worker.mlp()
+    optimizer = worker.optimizer_for(case["optimizer"], module.parameters())
+    for epoch in range(case["epochs"]):
+        for step in worker.plan(N, epoch, nranks, case["k"]):
+            idx = torch.cat([i for batches in step for i in batches])
+            nn.functional.cross_entropy(module(x[idx]), y[idx], reduction="mean").backward()
+            if "clip" in case:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), case["clip"])
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: p.detach() for name, p in module.named_parameters()}
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys()
+    for name in got:
+        error = float((got[name] - want[name]).abs().max())
+        assert error <= EXACT, f"{what}: {name} differs by {error:.3g}"
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("case", CASES, ids=_case_name)
+def test_equals_torch_fsdp2_by_hand_and_float64_training(
+    case: dict[str, Any], nranks: int, two_ranks: Path, three_ranks: Path
+) -> None:
+    rundir = two_ranks if nranks == 2 else three_ranks
+    name = _case_name(case)
+    got = load_file(str(rundir / f"lamploop-{name}.safetensors"))
+    _assert_close(
+        got, load_file(str(rundir / f"hand-{name}.safetensors")), f"{name}, {nranks} ranks vs FSDP2 by hand"
+    )
+    reference = float64_reference(case, nranks)
+    _assert_close(got, reference, f"{name}, {nranks} ranks vs float64 on one process")
+    start = worker.mlp()
+    moved = max(float((p.detach() - reference[n]).abs().max()) for n, p in start.named_parameters())
+    assert moved > 1e-3  # training moved the parameters: the comparison can tell
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_validation_of_uneven_streams_is_the_mean_over_every_example(
+    nranks: int, two_ranks: Path, three_ranks: Path
+) -> None:
+    """Rank 1 of 2 (rank 2 of 3) has one batch fewer: it runs a stand-in forward, which counts nothing."""
+    rundir = two_ranks if nranks == 2 else three_ranks
+    name = _case_name(CASES[0])
+    module = worker.mlp()
+    with torch.no_grad():
+        for key, p in module.named_parameters():
+            p.copy_(load_file(str(rundir / f"lamploop-{name}.safetensors"))[key])
+        x, y = worker.data(N)
+        expected = float(nn.functional.cross_entropy(module(x), y))
+    for rank in range(nranks):
+        got = json.loads((rundir / f"lamploop-{name}.rank{rank}.json").read_text())["validation_loss"]
+        assert got == pytest.approx(expected, rel=1e-12, abs=0), f"rank {rank}"
+
+
+def test_a_rank_without_any_batch_is_refused_on_every_rank(two_ranks: Path) -> None:
+    for rank in range(2):
+        message = (two_ranks / f"no_batch.rank{rank}.txt").read_text()
+        assert message.startswith("BatchError: 1 of 2 ranks have no training batch"), message
+        assert message.endswith("(every rank: True)"), message
+
+
+def test_resume_from_a_sharded_checkpoint_is_bitwise(two_ranks: Path) -> None:
+    uninterrupted = load_file(str(two_ranks / "lamploop-adam-k2.safetensors"))
+    resumed = load_file(str(two_ranks / "resumed.safetensors"))
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_a_two_rank_checkpoint_loads_on_three_ranks_and_on_one(two_ranks: Path, three_ranks: Path) -> None:
+    saved = load_file(str(two_ranks / "saved.safetensors"))
+    _assert_close(load_file(str(three_ranks / "loaded.safetensors")), saved, "2 -> 3 ranks")
+    model, optimizer, meta = read_full(two_ranks / "ckpt")  # the root: follows `latest`
+    assert meta == {"epoch": 1}
+    for name, tensor in saved.items():
+        assert torch.equal(model[name], tensor), name
+    # One rank: a plain module and optimizer, from the same shards.
+    module = worker.mlp(seed=7)
+    plain = worker.optimizer_for("adam", module.parameters())
+    load_sharded(two_ranks / "ckpt", module=module, optimizer=plain)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    state = plain.state_dict()
+    assert set(state["state"]) == {0, 1, 2, 3}
+    assert torch.equal(state["state"][0]["exp_avg"], optimizer["state"][0]["exp_avg"])
+    assert float(state["state"][0]["step"]) > 0
+
+
+def test_verify_names_an_altered_or_missing_shard(two_ranks: Path, tmp_path: Path) -> None:
+    source = two_ranks / "ckpt" / "epoch-000001"
+    assert verify_sharded(source) == []
+    copy = tmp_path / "epoch-000001"
+    copy.mkdir()
+    for path in source.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    shard = copy / shard_file(1, 2)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    problems = verify_sharded(copy)
+    assert any(shard.name in p and "sha256" in p for p in problems), problems
+    shard.unlink()
+    assert any(shard.name in p for p in verify_sharded(copy))
+    with pytest.raises(Exception, match=shard.name):
+        read_full(copy)
+
+
+def test_refuses_an_unsharded_model_and_a_bad_dtype() -> None:
+    with pytest.raises(ConfigurationError, match="shard the model first"):
+        FullyShard().gradient_sync(None, [], [nn.Linear(2, 2)], bucket_cap_mb=25.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="param_dtype"):
+        FullyShard(param_dtype="fp8")
+
+
+def test_save_refuses_an_existing_checkpoint_name_on_one_rank(tmp_path: Path) -> None:
+    """One rank over a one-rank Gloo group: the whole flow, and a second save of the same name refused."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lamploop.distributed.process_group import new_process_group
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    cpu = torch.device("cpu")
+    group = new_process_group(store, rank=0, nranks=1, device=cpu, timeout=30, prefix="t")
+    collectives = Collectives(group, rank=0, nranks=1, device=cpu, timeout=30)
+    module = worker.mlp()
+    FullyShard().shard(collectives, module)
+    path = save_sharded(tmp_path, collectives=collectives, module=module, optimizer=None, epoch=3)
+    assert (tmp_path / "latest").read_text().strip() == path.name == "epoch-000003"
+    model, _, _ = read_full(path)
+    for name, p in worker.mlp().named_parameters():
+        assert torch.equal(model[name], p.detach())
+    with pytest.raises(Exception, match="exists already"):
+        save_sharded(tmp_path, collectives=collectives, module=module, optimizer=None, epoch=3)
+
+
+def test_prepare_rebuilds_the_optimizer_over_the_shards_with_its_state() -> None:
+    """What a driver would call after the ranks met: the optimizer, made before sharding and
+    holding state (a resumed run's), continues over the DTensor shards with the same state."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lamploop.distributed.process_group import new_process_group
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    cpu = torch.device("cpu")
+    group = new_process_group(store, rank=0, nranks=1, device=cpu, timeout=30, prefix="p")
+    collectives = Collectives(group, rank=0, nranks=1, device=cpu, timeout=30)
+    module, twin = worker.mlp(), worker.mlp()
+    optimizer = worker.optimizer_for("adam", module.parameters())
+    twin_optimizer = worker.optimizer_for("adam", twin.parameters())
+    x, y = worker.data(12)
+    for m, opt in ((module, optimizer), (twin, twin_optimizer)):
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    rebuilt = FullyShard().prepare(collectives, module, optimizer)
+    assert rebuilt is not None
+    assert all(isinstance(p, DTensor) for p in module.parameters())
+    for m, opt in ((module, rebuilt), (twin, twin_optimizer)):
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.detach()), name  # type: ignore[attr-defined]

@@ -14,8 +14,9 @@ others on ``TcpControlFollower`` (this script again, as ``child``).  Scenarios:
 - ``freeze``: once epoch 0 is done, SIGSTOP a follower or the root (2 and 3 ranks): every
   survivor's run must end with ``PeerLostError`` naming the frozen rank, ``how="silent"``,
   within 5 s.  Measured per survivor: from the SIGSTOP to its error (the run ended, its
-  control channel closed), and to its process's exit (Python's own shutdown adds a second or
-  more on a loaded machine: it collects torch's modules);
+  control channel closed), and to its process's exit (each rank freezes its heap with
+  ``gc.freeze()`` before it exits, as a script that exits after a failed run can: Python's final
+  garbage collection of torch's heap otherwise adds 4-6 s at load 15-24);
 - ``link``: the same with a frozen link: ranks in two network namespaces (``tests/netns.py``;
   needs root), the link taken down (every packet lost, no reset): 2 ranks (one per host) and
   3 ranks (0 and 1 on host a, 2 on host b): each side names the other;
@@ -279,19 +280,28 @@ class Run:
                     argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
 
-    def wait_for_file(self, name: str, timeout: float) -> Any:
+    def wait_for_file(self, name: str, timeout: float, until: Any = None) -> Any:
+        """The JSON of ``workdir/name`` once it exists (and ``until(value)`` holds, if given).
+
+        Raises RuntimeError (with every rank's outcome and log) if a rank exits meanwhile or
+        ``timeout`` passes.
+        """
         deadline = time.monotonic() + timeout
         path = self.workdir / name
-        while not path.exists():
+        while True:
+            if path.exists():
+                value = json.loads(path.read_text())
+                if until is None or until(value):
+                    return value
             dead = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
             if dead:
-                msg = f"ranks exited early {dead} while waiting for {name}:\n{self.logs()}"
+                outcomes = {r: self.outcome(r) for r in dead}
+                msg = f"ranks exited early {dead} while waiting for {name}: {outcomes}\n{self.logs()}"
                 raise RuntimeError(msg)
             if time.monotonic() > deadline:
-                msg = f"{name} did not appear within {timeout:g} s:\n{self.logs()}"
+                msg = f"{name} did not appear (as awaited) within {timeout:g} s:\n{self.logs()}"
                 raise RuntimeError(msg)
             time.sleep(0.02)
-        return json.loads(path.read_text())
 
     def wait(self, ranks: list[int], timeout: float) -> dict[int, int | None]:
         """Wait for ``ranks`` to exit (bounded); record when each did, to 20 ms."""
@@ -304,6 +314,15 @@ class Run:
                 break
             time.sleep(0.02)
         return {rank: self.procs[rank].poll() for rank in ranks}
+
+    def dump_stacks_of_the_living(self, ranks: list[int]) -> None:
+        """Have every rank of ``ranks`` still running write its threads' stacks into its log."""
+        living = [r for r in ranks if self.procs[r].poll() is None]
+        for rank in living:
+            with contextlib.suppress(ProcessLookupError):
+                self.procs[rank].send_signal(signal.SIGUSR1)
+        if living:
+            time.sleep(1.0)
 
     def outcome(self, rank: int) -> dict[str, Any] | None:
         path = self.workdir / f"rank{rank}.json"
@@ -318,7 +337,7 @@ class Run:
                 found[rank] = round(json.loads(path.read_text())["max_stall_s"], 3)
         return found
 
-    def logs(self, tail: int = 3000) -> str:
+    def logs(self, tail: int = 12000) -> str:
         return "\n".join(
             f"--- rank {r} ---\n{(self.workdir / f'log-{r}.txt').read_text(errors='replace')[-tail:]}"
             for r in self.procs
@@ -376,8 +395,8 @@ def freeze(
             prefixes = {r: hosts.run("b" if r == nranks - 1 else "a", []) for r in range(nranks)}
         run = Run(workdir, config, prefixes)
         stack.callback(run.kill)
-        while run.wait_for_file("progress.json", 300 + slow_step)["epoch"] < after_epoch:
-            time.sleep(0.05)
+        # A rank that fails before the fault (a false abort) ends the wait with every rank's outcome.
+        run.wait_for_file("progress.json", 300 + slow_step, until=lambda p: p["epoch"] >= after_epoch)
         time.sleep(random.uniform(0.2, 0.8))  # inside a step or a collective of the next epoch
         faulted = time.time()
         if hosts is not None:
@@ -386,6 +405,7 @@ def freeze(
             run.procs[target].send_signal(signal.SIGSTOP)
         survivors = list(range(nranks)) if link else [r for r in range(nranks) if r != target]
         codes = run.wait(survivors, END_WITHIN_S + 30)
+        run.dump_stacks_of_the_living(survivors)
         result: dict[str, Any] = {"nranks": nranks, "target": "link" if link else target, "survivors": {}}
         for rank in survivors:
             outcome = run.outcome(rank) or {}
@@ -463,15 +483,28 @@ def _summary(values: list[float]) -> str:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["child"]:
+        import faulthandler
+
         import anyio
 
+        # Every thread's stack into the log on SIGUSR1: what a survivor that does not exit is blocked in.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
         code = anyio.run(_child, json.loads(Path(argv[1]).read_text()), int(argv[2]))
-        if os.environ.get("STRESS_DUMP_EXIT"):
-            import faulthandler
+        if not os.environ.get("STRESS_PLAIN_EXIT"):
+            # Python's final garbage collection walks torch's whole heap (about 0.9 s of CPU,
+            # 4-6 s at load 15-24, up to 10 s at load 28): frozen, the process exits in under a
+            # second after its error.  STRESS_PLAIN_EXIT=1 measures the plain exit.
+            import gc
+
+            gc.freeze()
+        if os.environ.get("STRESS_DUMP_EXIT"):  # where the time between the error and the exit goes
+            import atexit
             import threading
 
             print(f"returning at {time.time():.3f}; threads: {threading.enumerate()}", flush=True)
-            faulthandler.dump_traceback_later(float(os.environ["STRESS_DUMP_EXIT"]), exit=False)
+            atexit.register(lambda: print(f"atexit at {time.time():.3f}", flush=True))
+            faulthandler.dump_traceback_later(float(os.environ["STRESS_DUMP_EXIT"]), repeat=True)
         return code
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,25 @@ def test_resuming_a_step_boundary_with_another_number_of_ranks_is_refused_up_fro
     )
     with pytest.raises(ConfigurationError, match=r"taken with 2 ranks, this run has nranks=1"):
         anyio.run(lambda: run)
+
+
+STOP_WAITING = Path(__file__).parent / "workers" / "stop_waiting.py"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fit's launcher (lamploop.distributed.launch.open_root) cancels its followers' task "
+    "group when TrainingInterrupted leaves the block: they are killed right after Stop instead of "
+    "getting FOLLOWER_EXIT_TIMEOUT_S to end (the change is in the issue 21 helper's report)",
+)
+def test_the_followers_that_fit_started_end_by_themselves_after_a_graceful_stop(tmp_path: Path) -> None:
+    """SIGTERM to the root of ``fit(world_size=2)``: the follower gets ``Stop`` at the boundary and
+    returns from ``fit`` by itself (``follower-1.json``), not killed by the root that leaves."""
+    with worker.Processes(tmp_path) as procs:
+        root = procs.start("root", [sys.executable, str(STOP_WAITING), str(tmp_path), "2", "stalled"])
+        for rank in range(2):
+            procs.wait_for_file(tmp_path / f"waiting-{rank}.json", 120, alive=["root"])
+        root.send_signal(signal.SIGTERM)
+        assert procs.wait("root", 60) == 143, procs.logs()
+        assert "a checkpoint was written there" in procs.log("root"), procs.logs()
+    assert (tmp_path / "follower-1.json").exists(), procs.logs()

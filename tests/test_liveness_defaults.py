@@ -2,12 +2,14 @@
 
 DESIGN.md section 5: liveness never depends on compute.  With the defaults
 (:data:`lamploop.control.DEFAULT_HEARTBEAT_INTERVAL_S` and ``DEFAULT_HEARTBEAT_TIMEOUT_S``),
-while a busy process per core loads the machine:
+while two busy processes per core load the machine:
 
 - 3 ranks: rank 1 computes for 12 s (three heartbeat timeouts) inside one step of epoch 1
   while the others wait in the collective: nobody is lost; then the root is frozen (SIGSTOP)
   and both followers' runs end within 5 s naming it;
 - 2 ranks: the follower is frozen: the root's run ends within 5 s naming it.
+
+Every survivor's process then exits (within :data:`EXITED_WITHIN_S` of the fault).
 
 And checkpoint files are written without holding the GIL for their bytes (a 2 GiB checkpoint
 serialized by ``safetensors.torch.save`` starved the root's event loop for 8.6 s under that
@@ -34,12 +36,17 @@ import stress_liveness as stress
 from lamploop.checkpoint.files import _write_tensors
 from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
-SPINNERS = os.cpu_count() or 1
-"""One busy process per core in the suite (benchmarks/stress_liveness.py runs two per core: in a
-fresh-clone run at that load, one of these scenarios saw rank 2 exit before the fault, cause
-not established, and a survivor that named the frozen rank in 3.9 s but had not exited 35 s
-later; see the issue 21 note)."""
+SPINNERS = 2 * (os.cpu_count() or 1)
+"""Two busy processes per core, as issue 21 asks.  At this load a fresh-clone run once saw a
+rank fail before the fault ("the sum of losses and example counts failed (a peer died?):
+Operation timed out!": a collective wait took a sum that completed as its wait slice ran out
+for a failed one, fixed in ``lamploop.sync.collectives``) and a survivor exit tens of seconds
+after its error (Python's final garbage collection of torch's heap, about 0.9 s of CPU, starved
+by the load: the stress script's ranks freeze that heap before they exit)."""
 SLOW_STEP_S = 3 * DEFAULT_HEARTBEAT_TIMEOUT_S  # 12 s
+EXITED_WITHIN_S = 10.0
+"""From the fault to a survivor's exit: its error within 5 s, then its shutdown (0.5-1 s measured
+at load 15-24 with the heap frozen; 4-6 s more without)."""
 
 
 def test_the_defaults_leave_room_for_a_survivor_to_end_within_5_s() -> None:
@@ -69,6 +76,7 @@ def test_under_load_a_slow_rank_is_not_lost_and_a_frozen_one_is_named_within_5_s
         assert (survivor["named"], survivor["how"]) == (target, "silent"), context
         assert survivor["failed_after_s"] < stress.END_WITHIN_S, context
         assert survivor["status"] == 1, context
+        assert survivor["exited_after_s"] < EXITED_WITHIN_S, context
 
 
 def test_the_checkpoint_writer_that_keeps_the_event_loop_free_writes_what_safetensors_reads(

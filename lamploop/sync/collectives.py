@@ -154,20 +154,42 @@ class Collectives:
                 self._abort_backend()
                 msg = f"rank {self.rank}: gave up waiting for the {what}: {self.abort.reason}"
                 raise WaitAborted(msg)
-            try:
-                work.wait(_SLICE)
+            if self._waited_one_slice(work, what):
                 self._in_flight.pop(id(work), None)
                 return
-            except RuntimeError as exc:
-                if work.is_completed() or "timed out" not in str(exc):
-                    msg = f"rank {self.rank}: the {what} failed (a peer died?): {exc}"
-                    raise DistributedError(msg) from exc
             if time.monotonic() > deadline:
                 msg = (
                     f"rank {self.rank}: the {what} did not complete within {self.timeout:g} s "
                     "(collective_timeout) although every rank is alive: do the ranks run the same steps?"
                 )
                 raise DistributedError(msg)
+
+    def _waited_one_slice(self, work: Work, what: str) -> bool:
+        """Wait up to one slice: whether ``work`` completed; raises if it failed.
+
+        A slice that runs out raises ``RuntimeError("Operation timed out!")``, but the work
+        can complete between the end of the slice and the look at it: the waiting thread
+        takes the GIL back first, which takes up to the switch interval (5 ms) on a busy
+        process.  Such a work is complete and succeeded; taking it for failed (as a look at
+        ``is_completed()`` alone would) fails a healthy run.  So a complete work is asked
+        once more: its ``wait`` then returns at once, or raises its own failure (a socket's
+        "Connection timed out" included).
+        """
+        try:
+            work.wait(_SLICE)
+        except RuntimeError as exc:
+            if "timed out" in str(exc) and not work.is_completed():
+                return False  # the slice ran out: look at the abort signal, then wait again
+            if "timed out" not in str(exc):
+                raise self._failed(what, exc) from exc
+            try:
+                work.wait(_SLICE)  # complete: its own outcome, at once
+            except RuntimeError as failure:
+                raise self._failed(what, failure) from failure
+        return True
+
+    def _failed(self, what: str, exc: RuntimeError) -> DistributedError:
+        return DistributedError(f"rank {self.rank}: the {what} failed (a peer died?): {exc}")
 
     def _abort_backend(self) -> None:
         """NCCL can abort its communicator (unblocking the device); Gloo has nothing to abort."""

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lamploop.errors import ConfigurationError
+from lamploop.forked_children import worker_init_leaving_signals
 
 __all__ = [
     "BatchContext",
@@ -213,6 +214,8 @@ def _rank_loader(
     loader: DataLoader[Any], context: BatchContext, seed: int, *, made_per_rank: bool
 ) -> DataLoader[Any]:
     """``loader`` made deterministic for ``context.epoch`` and cut down to ``context.rank``'s share."""
+    if loader.num_workers > 0:  # a group SIGTERM or SIGINT is the run's to handle, not its workers'
+        loader.worker_init_fn = worker_init_leaving_signals(loader.worker_init_fn)
     if isinstance(loader.dataset, IterableDataset):
         if context.nranks > 1 and not made_per_rank:
             msg = (

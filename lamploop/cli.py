@@ -32,6 +32,7 @@ A failed distributed run exits with its status at once, also when a collective i
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -305,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lamploop: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        if argv is None:  # the program ends next: spare it the final collection of torch's heap
+            gc.freeze()  # (0.8-0.9 s of CPU at exit, seconds at a high load; measured in issue 21)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import anyio.abc
 
 from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
+from lamploop.forked_children import signals_stay_with_this_process
 from lamploop.loop.stop_request import StopRequest
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import PeerLost, RunFailed, RunStopped
@@ -80,7 +81,9 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
     Yields the scope that a second request cancels.  On the main thread SIGTERM and SIGINT
     are the requests; elsewhere (see :func:`blocking`) the thread that waits makes them.
     """
-    with anyio.CancelScope() as scope:
+    # Processes forked while it runs (DataLoader workers) must not write their copy of a
+    # group signal into this event loop's wake-up socket: one Ctrl-C would count as two.
+    with anyio.CancelScope() as scope, signals_stay_with_this_process():
         async with anyio.create_task_group() as watchers:
             on_main = threading.current_thread() is threading.main_thread()
             watchers.start_soon(_watch_signals if on_main else _watch_at_once, stop, scope)

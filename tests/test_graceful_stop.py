@@ -215,12 +215,6 @@ def test_resuming_a_step_boundary_with_another_number_of_ranks_is_refused_up_fro
 STOP_WAITING = Path(__file__).parent / "workers" / "stop_waiting.py"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fit's launcher (lamploop.distributed.launch.open_root) cancels its followers' task "
-    "group when TrainingInterrupted leaves the block: they are killed right after Stop instead of "
-    "getting FOLLOWER_EXIT_TIMEOUT_S to end (the change is in the issue 21 helper's report)",
-)
 def test_the_followers_that_fit_started_end_by_themselves_after_a_graceful_stop(tmp_path: Path) -> None:
     """SIGTERM to the root of ``fit(world_size=2)``: the follower gets ``Stop`` at the boundary and
     returns from ``fit`` by itself (``follower-1.json``), not killed by the root that leaves."""

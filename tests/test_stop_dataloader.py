@@ -2,16 +2,16 @@
 
 ``fit`` (one rank) over ``dataloader_batches`` with worker processes, a real signal, a real
 checkpoint directory (``tests/workers/stop_dataloader.py``).  What docs/reliability.md
-promises, and where it does not hold yet (marked ``xfail(strict=True)``, with what fixes it):
+promises:
 
 - SIGTERM or SIGINT to the *process group* (Ctrl-C in a terminal, Slurm's ``scancel``)
-  reaches the DataLoader's workers too.  A worker that ignores them
-  (:func:`~lamploop.loop.forked_children.leave_stop_signals_to_the_run`) leaves the stop to
-  the run: it stops at the step boundary with its checkpoint, exit status 143 / 130.  A plain
-  worker dies of SIGTERM (``DataLoader worker ... is killed by signal: Terminated``, the run
-  fails with status 1: ``xfail``) or, on SIGINT, writes it into the run's wake-up socket: two
-  SIGINTs counted for one, a stop at once without a checkpoint (shown below in this process,
-  with :func:`~lamploop.loop.forked_children.signals_stay_with_this_process` preventing it);
+  reaches the DataLoader's workers too.  ``dataloader_batches`` gives its loaders' workers
+  :func:`~lamploop.forked_children.leave_stop_signals_to_the_run`, so they leave the stop to
+  the run: it stops at the step boundary with its checkpoint, exit status 143 / 130.  Without
+  it a worker dies of SIGTERM (``DataLoader worker ... is killed by signal: Terminated``, the
+  run fails with status 1) or, on SIGINT, writes it into the run's wake-up socket: two SIGINTs
+  counted for one, a stop at once without a checkpoint (shown below in this process, with
+  :func:`~lamploop.forked_children.signals_stay_with_this_process` preventing it);
 - a stop requested during a validation pass ends the run at the first step boundary of the
   next epoch, after the epoch's checkpoint;
 - a SIGTERM before the run handles signals (while ``fit`` restores the checkpoint it resumes
@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from workers import rank as worker
 
 from lamploop.checkpoint import load_checkpoint
-from lamploop.loop.forked_children import leave_stop_signals_to_the_run, signals_stay_with_this_process
+from lamploop.forked_children import leave_stop_signals_to_the_run, signals_stay_with_this_process
 
 WORKER = Path(__file__).parent / "workers" / "stop_dataloader.py"
 EXITED_WITHIN_S = 30.0
@@ -81,13 +81,6 @@ def test_a_signal_to_the_process_group_stops_at_the_boundary_when_the_workers_le
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(
-    strict=True,
-    reason="plain DataLoader workers die of a group SIGTERM until dataloader_batches gives its "
-    "loaders leave_stop_signals_to_the_run (the issue 21 helper's report); on SIGINT they echo it "
-    "into the run's wake-up socket (below, in this process) until stop_on_signals enters "
-    "signals_stay_with_this_process",
-)
 def test_a_sigterm_to_the_process_group_stops_at_the_boundary_with_plain_workers(tmp_path: Path) -> None:
     with _run(tmp_path, "plain") as procs:
         _training(procs, tmp_path)

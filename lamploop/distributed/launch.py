@@ -36,7 +36,7 @@ import torch.distributed as dist
 from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed.network import slurm_first_host, slurm_job_port
-from lamploop.errors import ConfigurationError, ControlChannelError
+from lamploop.errors import ConfigurationError, ControlChannelError, TrainingInterrupted
 from lamploop.modelspec import ModelSpec
 
 __all__ = [
@@ -306,6 +306,7 @@ async def open_root(
             yield launched, env.root_host
         return
     token = secrets.token_hex(16)
+    stopped: TrainingInterrupted | None = None
     async with (
         TcpControlRoot(
             host=LOCAL_HOST,
@@ -320,9 +321,16 @@ async def open_root(
         spawn_followers(
             followers, world_size=nranks, control_address=root.address, token=token, command=command
         )
-        yield root, LOCAL_HOST
+        try:
+            yield root, LOCAL_HOST
+        except TrainingInterrupted as exc:
+            # A graceful stop: the followers got Stop at the same step boundary and end by
+            # themselves (a second signal cancels this at once instead).
+            stopped = exc
         # The followers got Stop; give them a bounded time to exit before they are killed.
         followers.cancel_scope.deadline = anyio.current_time() + FOLLOWER_EXIT_TIMEOUT_S
+    if stopped is not None:
+        raise stopped
 
 
 def default_launch_command(world_size: int) -> list[str]:

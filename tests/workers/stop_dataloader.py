@@ -8,7 +8,7 @@ epoch on another such loader, checkpointing into ``OUT_DIR/checkpoints``.  ``MOD
 
 - ``plain``: the loaders as a user writes them;
 - ``ignoring``: the loaders' workers run
-  :func:`lamploop.loop.forked_children.leave_stop_signals_to_the_run` (``worker_init_fn``);
+  :func:`lamploop.forked_children.leave_stop_signals_to_the_run` (``worker_init_fn``);
 - ``slow-validation``: plain loaders, validation four times slower; ``OUT_DIR/validating.json``
   names the epoch whose validation pass has begun;
 - ``first-of-two``: one epoch, with a checkpoint extra (checkpoints at epoch ends);
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lamploop
 from lamploop.batches import BatchContext
-from lamploop.loop.forked_children import leave_stop_signals_to_the_run
+from lamploop.forked_children import leave_stop_signals_to_the_run
 
 ITEM_S = 0.01
 WORKERS = 2

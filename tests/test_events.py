@@ -267,3 +267,48 @@ def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path)
     assert lines[4] == "lamploop: finished after epoch 1"
     assert len(lines) == 5
     assert done.stdout == ""
+
+
+def test_a_run_that_ends_before_max_epochs_says_why() -> None:
+    """Early stopping, a schedule's zero factor: the RunFinished event and the log line say which."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    noise = torch.randn(64, 4) * 10  # validation on noise: no new best after the first epochs
+
+    class Seen:
+        def __init__(self) -> None:
+            self.events: list[ev.Event] = []
+
+        def report(self, event: ev.Event) -> None:
+            self.events.append(event)
+
+    def run(**settings: Any) -> list[ev.Event]:
+        seen = Seen()
+        lamploop.fit(
+            model=lamploop.SupervisedModel(torch.nn.Linear(4, 2), lamploop.cross_entropy_loss),
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=2.0),
+            train_batches=lamploop.tensor_batches(x, y, batch_size=16),
+            validation_batches=lamploop.tensor_batches(noise, y, batch_size=64),
+            max_epochs=30,
+            reporters=[seen],
+            **settings,
+        )
+        return seen.events
+
+    events = run(early_stopping_patience=2, return_min_validation_loss_model=lamploop.ALL_EPOCHS)
+    (finished,) = [e for e in events if isinstance(e, ev.RunFinished)]
+    assert finished.state.epoch < 30
+    best = finished.state.min_validation_epoch
+    assert finished.reason == (
+        f"early stopping: 2 validations without a new best since epoch {best} (early_stopping_patience=2)"
+    )
+    line = lamploop.reporting.logging_reporter.finished_line(finished)
+    assert line == f"finished after epoch {finished.state.epoch - 1}: {finished.reason}"
+
+    stepped = run(learning_rate_schedule=lamploop.step_after(3, 0.0))
+    (finished,) = [e for e in stepped if isinstance(e, ev.RunFinished)]
+    assert finished.state.epoch == 3
+    assert finished.reason.startswith("the learning-rate schedule gave factor 0 for epoch 3")
+
+    (finished,) = [e for e in run() if isinstance(e, ev.RunFinished)]
+    assert (finished.state.epoch, finished.reason) == (30, "")

@@ -130,6 +130,7 @@ class _RootEpochs:
         self.schedule_state = schedule_state  # what the epoch in progress was asked with
         self.next_epoch = self.state.epoch
         self.position_saved = True  # whether the last step-boundary save wrote a checkpoint
+        self.end_reason = ""  # why the epoch loop ended, in words (RunFinished.reason)
         self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
         if replica.average is not None and init_state is not None and init_state.averaged_count:
@@ -172,7 +173,11 @@ class _RootEpochs:
             model_selection_metric=settings.model_selection_metric,
             model_selection_mode=settings.model_selection_mode,  # type: ignore[arg-type]
             early_stopping_patience=settings.early_stopping_patience,
+            on_end=self._ended,
         )
+
+    def _ended(self, reason: str) -> None:
+        self.end_reason = reason
 
     async def tell(self, command: Train | Valid | Stop) -> None:
         if self.control is not None and self.replica.channel.nranks > 1:
@@ -405,7 +410,7 @@ async def drive_distributed_training(
         except TrainingInterrupted as stopped:
             await root.tell(Stop(reason=str(stopped)))
             raise
-        await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}"))
+        await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}: {root.end_reason}"))
     await install_result(root.replica, root.best, train_batches, state.epoch)
-    emit(RunFinished(state))
+    emit(RunFinished(state, reason=root.end_reason))
     return state

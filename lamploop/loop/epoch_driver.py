@@ -120,6 +120,7 @@ async def epochs(
     model_selection_metric: str | None = None,
     model_selection_mode: SelectionMode = "min",
     early_stopping_patience: int | None = None,
+    on_end: Callable[[str], object] | None = None,
 ) -> LoopState:
     """Run epochs until ``max_epochs`` or until the schedule's factor is <= 0.
 
@@ -154,6 +155,9 @@ async def epochs(
             smoothed validation loss.  The best value is in ``min_validation_loss``.
         early_stopping_patience: stop once this many validations in a row have not
             improved on the best one (as ``model_selection_*`` judges); ``None``: never.
+        on_end: called once, as the loop ends, with why it ended before ``max_epochs`` in
+            words (``"early stopping: ..."``, the schedule's factor, the end of the streams;
+            ``""`` at ``max_epochs``): the events' ``RunFinished.reason``.
 
     A ``train_epoch`` that raises :class:`~lamploop.errors.StreamExhausted` (no rank had
     a batch: every stream of samples ended) also ends the loop; that epoch is not recorded.
@@ -184,13 +188,15 @@ async def epochs(
             schedule_state, epoch, state.last_validation_loss
         )
         _check_factor(factor, schedule, epoch)
-        if epoch >= max_epochs or factor <= 0:
-            return state
-        if early_stopping_patience is not None and validations_since_best(state) >= early_stopping_patience:
-            return state
-        try:
-            trained = await train_epoch(factor)
-        except StreamExhausted:  # the stream of samples is over: the run ends, the empty epoch unrecorded
+        reason = _end_reason(state, max_epochs, factor, early_stopping_patience)
+        if reason is None:
+            try:
+                trained = await train_epoch(factor)
+            except StreamExhausted:  # the stream of samples is over: the run ends, the empty epoch unrecorded
+                reason = f"every stream of samples ended (no rank had a batch in epoch {epoch})"
+        if reason is not None:
+            if on_end is not None:
+                on_end(reason)
             return state
         training_loss = _finite(trained, "training loss", epoch)
         validation: tuple[float, float] | None = None
@@ -232,3 +238,17 @@ async def epochs(
         )
         if checkpoint_state is not None:
             await checkpoint_state(state, schedule_state)
+
+
+def _end_reason(state: LoopState, max_epochs: int, factor: float, patience: int | None) -> str | None:
+    """Why the loop ends before epoch ``state.epoch``: ``""`` at ``max_epochs``, ``None`` if it goes on."""
+    if state.epoch >= max_epochs:
+        return ""
+    if factor <= 0:
+        return f"the learning-rate schedule gave factor {factor:g} for epoch {state.epoch} (<= 0 ends it)"
+    if patience is not None and validations_since_best(state) >= patience:
+        return (
+            f"early stopping: {validations_since_best(state)} validations without a new best since "
+            f"epoch {state.min_validation_epoch} (early_stopping_patience={patience})"
+        )
+    return None

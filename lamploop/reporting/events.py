@@ -225,9 +225,11 @@ class IngestionSampled:
 
 @attrs.frozen
 class RunFinished:
-    """The run ended normally with ``state``."""
+    """The run ended normally with ``state``; ``reason`` says why it ended before ``max_epochs``
+    (``"early stopping: ..."``, the schedule's factor, the end of the streams; empty otherwise)."""
 
     state: LoopState
+    reason: str = attrs.field(default="", kw_only=True)
     time: float = attrs.field(factory=_now, kw_only=True)
 
 

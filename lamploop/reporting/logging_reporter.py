@@ -90,7 +90,7 @@ def _describe(event: Event) -> tuple[int, str] | None:
     if isinstance(event, RunStarted):
         return 0, describe_run_started(event)
     if isinstance(event, RunFinished):
-        return 0, f"finished after epoch {event.state.epoch - 1}"
+        return 0, finished_line(event)
     if isinstance(event, RunStopped):
         return 0, event.message
     if isinstance(event, PeerLost):
@@ -139,3 +139,10 @@ class LoggingReporter:
 
     def __repr__(self) -> str:
         return f"LoggingReporter({self.logger.name!r})"
+
+
+def finished_line(event: RunFinished) -> str:
+    """``"finished after epoch 3: early stopping: ..."``: what a run that ended normally did, and why."""
+    done = event.state.epoch
+    text = f"finished after epoch {done - 1}" if done > 0 else "finished (no epoch to run)"
+    return f"{text}: {event.reason}" if event.reason else text

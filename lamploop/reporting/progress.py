@@ -42,7 +42,12 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
-from lamploop.reporting.logging_reporter import describe_epoch, describe_run_started, describe_step_breakdown
+from lamploop.reporting.logging_reporter import (
+    describe_epoch,
+    describe_run_started,
+    describe_step_breakdown,
+    finished_line,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -309,9 +314,7 @@ class ProgressReporter:
         if not isinstance(event, RunFinished):
             return  # the caller gets the error or the stop, and says it (the CLI: one line)
         took = f" ({event.time - self._started_at:.1f} s)" if self._started_at is not None else ""
-        done = event.state.epoch
-        text = f"finished after epoch {done - 1}" if done > 0 else "finished (no epoch to run)"
-        self._line(text + took, event.time)
+        self._line(finished_line(event) + took, event.time)
 
     def close(self) -> None:
         """Stop the live display, if one runs (calling it again does nothing)."""

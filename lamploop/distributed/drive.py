@@ -58,6 +58,7 @@ from lamploop.model import SupervisedModel, unwrapped
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.epoch_events import EpochEvents
 from lamploop.reporting.events import PeerJoined, RunFinished, RunStarted
+from lamploop.reporting.logging_reporter import finished_line
 from lamploop.reporting.reporter import Reporter
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import SettingKeywords, TrainingSettings, Unpack, check_int, merged_settings
@@ -410,7 +411,7 @@ async def drive_distributed_training(
         except TrainingInterrupted as stopped:
             await root.tell(Stop(reason=str(stopped)))
             raise
-        await root.tell(Stop(reason=f"finished after epoch {state.epoch - 1}: {root.end_reason}"))
+        await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
     await install_result(root.replica, root.best, train_batches, state.epoch)
     emit(RunFinished(state, reason=root.end_reason))
     return state

@@ -88,7 +88,7 @@ RECEIVER_RULES = [
     _rule("decode", "wire.py", "decode_body", "_decode_samples"),
     _rule("decode", "receiver.py", "_check_samples"),
     _rule("receive", "wire.py", "receive", "feed", "_take", "_check_order"),
-    _rule("receive", "_framed.py", "receive_item", "_feed"),
+    _rule("receive", "connection.py", "receive_item", "_feed"),
     _rule("receive", "selector_events.py", "_read_ready", "_read_ready__data_received"),
     _rule("put", "receiver.py", "_put_batch"),
     _rule("ack", "receiver.py", "_ack", "_ack_soon"),

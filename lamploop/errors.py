@@ -45,6 +45,7 @@ __all__ = [
     "StreamExhausted",
     "StreamingError",
     "TrainingInterrupted",
+    "TransportError",
     "error_detected_by_every_rank",
     "mark_detected_by_every_rank",
 ]
@@ -199,16 +200,25 @@ class DistributedError(LamploopError):
     """A tensor-channel collective or the process-group set-up failed."""
 
 
-class ControlChannelError(LamploopError):
-    """One of lamploop's authenticated TCP channels failed: transport errors are wrapped in this.
+class TransportError(LamploopError):
+    """One of lamploop's authenticated TCP protocols failed: transport errors are wrapped in this.
 
-    The control channel raises it and its subclasses below; the streaming transport raises
-    :class:`StreamingError` (a subclass), and shares :class:`FrameError` and
-    :class:`HandshakeError` with the control channel.
+    The control channel, the streaming transport and the federated link all run on
+    :mod:`lamploop.transport`, and every failure of theirs is one: a broken connection (this
+    class itself), a bad frame (:class:`FrameError`), a refused handshake
+    (:class:`HandshakeError`), a lost rank (:class:`PeerLostError`), a streaming failure
+    (:class:`StreamingError`).
+
+    .. versionadded:: 0.3
     """
 
 
-class StreamingError(ControlChannelError):
+ControlChannelError = TransportError
+"""The name :class:`TransportError` had before the three protocols shared one transport (0.1, 0.2):
+``except ControlChannelError`` still catches every transport failure, as it did."""
+
+
+class StreamingError(TransportError):
     """The streaming transport failed: a producer could not deliver, or a receiver's sink failed."""
 
 
@@ -240,15 +250,15 @@ class DuplicateSampleError(LamploopError, ValueError):
     """A sample's ``seq`` is not after the last one put from its producer (a resend or out of order)."""
 
 
-class FrameError(ControlChannelError):
-    """A control frame is malformed, too large, or of an unknown type."""
+class FrameError(TransportError):
+    """A frame is malformed, too large, or of an unknown type (any of the three protocols)."""
 
 
-class HandshakeError(ControlChannelError):
-    """A peer was refused while joining: the message names the mismatch."""
+class HandshakeError(TransportError):
+    """A peer was refused while joining, or did not prove the token: the message names why."""
 
 
-class PeerLostError(ControlChannelError):
+class PeerLostError(TransportError):
     """A rank of the run was lost: it died, went silent, closed its connection or failed.
 
     Attributes:

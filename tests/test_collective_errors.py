@@ -6,7 +6,7 @@ to fail tells the others through the control channel, and about one run in six u
 the root raised that abort (``PeerLostError("rank 1 ... aborted the run: ...")``, without
 ``.epoch``, ``.step``, ``.ranks``) instead of its own error.  Such errors are marked as
 detected by every rank (:mod:`lamploop.errors`), travel so marked in the Abort, and the side
-that receives it waits a bounded moment for its own verdict (:mod:`lamploop.control._supervisor`).
+that receives it waits a bounded moment for its own verdict (:mod:`lamploop.transport.supervisor`).
 
 The races are made likely by load, not by hooks: two busy processes spin on the (two, in CI)
 cores while ranks run as threads of this process on the real TCP control channel and Gloo
@@ -30,7 +30,6 @@ import torch
 import lamploop
 from lamploop.batches import BatchContext
 from lamploop.checkpoint import RngStates
-from lamploop.control import _supervisor
 from lamploop.control.commands import Rendezvous, Train
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.control.wire import Abort, FrameDecoder, decode_body, encode_frame
@@ -44,6 +43,7 @@ from lamploop.errors import (
     mark_detected_by_every_rank,
 )
 from lamploop.modelspec import model_spec
+from lamploop.transport import supervisor as _supervisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import stress_collective_errors as stress

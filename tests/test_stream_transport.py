@@ -29,7 +29,6 @@ import torch
 import trustme
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from lamploop.control.wire import new_nonce, token_proof
 from lamploop.errors import (
     ConfigurationError,
     ControlChannelError,
@@ -63,6 +62,7 @@ from lamploop.streaming.wire import (
     sample_frame,
     samples_frame,
 )
+from lamploop.transport.proofs import new_nonce, token_proof
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

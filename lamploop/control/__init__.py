@@ -11,9 +11,9 @@ See ``docs/control-channel.md``.
 .. versionadded:: 0.1
 """
 
-from lamploop.control._settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.commands import Command, ControlFollower, ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.control.local import LocalControlFollower, LocalControlRoot, local_control
+from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.control.wire import PROTOCOL_VERSION
 

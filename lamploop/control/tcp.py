@@ -10,7 +10,9 @@ Every connection starts with a versioned, mutually authenticated handshake::
      | <========== Heartbeat, both ways ===========>  |
      | -- Rendezvous --> ... Train / Valid ... -- Stop --> |   then both sides close
 
-The root checks the follower's proof first; a peer without it (a stranger, a wrong
+The root checks the follower's proof first, then its protocol version, then whether it
+fits the run: the transport's one order of checks (:mod:`lamploop.transport.handshake`).
+A peer without the proof (a stranger, a wrong
 token, garbage, an oversized frame, silence) is refused, logged on the
 ``"lamploop.control"`` logger and remembered in :attr:`TcpControlRoot.recent_refusals`,
 and nothing else happens.  A peer with the proof that does not fit the run (protocol
@@ -32,10 +34,14 @@ This module is the public entry point; the work is done in modules of one job ea
 - :mod:`lamploop.control.tcp_root` -- :class:`TcpControlRoot`: listen, admit, broadcast;
 - :mod:`lamploop.control.tcp_follower` -- :class:`TcpControlFollower`: connect with backoff,
   join, the commands iterator;
-- ``_handshake`` -- both sides of the handshake above, and what makes a follower fit the run;
-- ``_connection`` -- one framed connection: whole messages, heartbeats, last words;
-- ``_supervisor`` -- where background failures surface;
-- ``_settings`` -- the arguments both ends share, checked.
+- :mod:`lamploop.control.handshake` -- both sides of the handshake above, and what makes a
+  follower fit the run;
+- :mod:`lamploop.control.connection` -- the transport's framed connection with heartbeats and
+  a half-close;
+- :mod:`lamploop.control.settings` -- the arguments both ends share, checked.
+
+The listener, TLS, the admission of strangers and the supervisor of background failures are
+the transport's (:mod:`lamploop.transport`), shared with the streaming and federated protocols.
 
 .. versionadded:: 0.1
 """

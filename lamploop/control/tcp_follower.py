@@ -1,10 +1,10 @@
 """A follower's end of the TCP control channel: reach the root, join, and hand out its commands.
 
 :class:`TcpControlFollower` connects with backoff (followers may start before the root
-listens), runs the follower's side of :mod:`lamploop.control._handshake`, keeps a heartbeat
+listens), runs the follower's side of :mod:`lamploop.control.handshake`, keeps a heartbeat
 with the root, and queues the root's commands for the owner's iterator (at most
 :data:`MAX_UNREAD_COMMANDS` unread).  How its failures surface is
-:mod:`lamploop.control._supervisor`'s business; the protocol as a whole is described in
+:mod:`lamploop.transport.supervisor`'s business; the protocol as a whole is described in
 :mod:`lamploop.control.tcp`.
 
 .. versionadded:: 0.1
@@ -21,22 +21,24 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from lamploop.control import _tls as tls
-from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
-from lamploop.control._handshake import greet_root
-from lamploop.control._settings import (
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    Link,
-    Run,
-    check_int,
-    check_seconds,
-)
-from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
-from lamploop.control.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Abort, Heartbeat, Interrupt
+from lamploop.control.connection import Connection, Gone, abort_message
+from lamploop.control.handshake import greet_root
+from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
+from lamploop.control.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    Heartbeat,
+    Interrupt,
+    preauth_frame_limit,
+)
 from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
+from lamploop.transport import tls
+from lamploop.transport.connection import GOODBYE_TIMEOUT
+from lamploop.transport.settings import check_int_in, check_seconds_each
+from lamploop.transport.supervisor import Supervisor
 
 __all__ = ["MAX_UNREAD_COMMANDS", "TcpControlFollower"]
 
@@ -91,9 +93,9 @@ class TcpControlFollower:
     ) -> None:
         self._run = Run.checked(nranks, token, model_spec)
         self._link = Link.checked(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
-        check_seconds(connect_timeout=connect_timeout, handshake_timeout=handshake_timeout)
-        check_int("port", port, 1, 65535)
-        check_int("rank", rank, 1, nranks - 1)
+        check_seconds_each(connect_timeout=connect_timeout, handshake_timeout=handshake_timeout)
+        check_int_in("port", port, 1, 65535)
+        check_int_in("rank", rank, 1, nranks - 1)
         self.rank = rank
         self._host = host
         self._port = port
@@ -131,7 +133,7 @@ class TcpControlFollower:
                         conn.finished = True
                         who = f"follower of rank {self.rank}"
                         await conn.send_best_effort(
-                            self._sup.abort_message(remaining, who, own_rank=self.rank)
+                            abort_message(self._sup, remaining, who, own_rank=self.rank)
                         )
                         await conn.send_eof()
                     await self._drained.wait()  # read until the root closes, so nothing is lost to a reset
@@ -165,7 +167,8 @@ class TcpControlFollower:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
         stream: anyio.abc.ByteStream = await self._connect()
-        conn = self._conn = Connection(stream, peer=self._root, link=self._link)
+        preauth = preauth_frame_limit(self._run.nranks, self._run.model_spec, self._link.max_frame_bytes)
+        conn = self._conn = Connection(stream, peer=self._root, link=self._link, preauth_frame_bytes=preauth)
         try:
             with anyio.fail_after(self._handshake_timeout):
                 if self._tls is not None:

@@ -1,9 +1,9 @@
 """The root's end of the TCP control channel: listen, admit followers, send them the rendezvous and commands.
 
 :class:`TcpControlRoot` accepts connections, runs the handshake of
-:mod:`lamploop.control._handshake` on each (refusing strangers, and failing the run for a
+:mod:`lamploop.control.handshake` on each (refusing strangers, and failing the run for a
 follower that proves the token but does not fit), keeps a heartbeat with every follower
-that joined, and broadcasts.  How its failures surface is :mod:`lamploop.control._supervisor`'s
+that joined, and broadcasts.  How its failures surface is :mod:`lamploop.transport.supervisor`'s
 business; the protocol as a whole is described in :mod:`lamploop.control.tcp`.
 
 .. versionadded:: 0.1
@@ -20,25 +20,15 @@ import anyio
 import anyio.abc
 from anyio.abc import TaskStatus
 
-from lamploop.control import _tls as tls
-from lamploop.control._connection import GOODBYE_TIMEOUT, Connection, Gone
-from lamploop.control._handshake import Unauthenticated, authenticate_follower, mismatch
-from lamploop.control._listen import serve_tcp
-from lamploop.control._settings import (
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    Link,
-    Run,
-    check_int,
-    check_seconds,
-)
-from lamploop.control._strangers import PendingHandshakes, RefusalLog
-from lamploop.control._supervisor import Supervisor
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
+from lamploop.control.connection import Connection, Gone, abort_message
+from lamploop.control.handshake import authenticate_follower, mismatch
+from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
 from lamploop.control.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     Abort,
     Heartbeat,
+    Hello,
     Interrupt,
     Refuse,
     encode_frame,
@@ -46,6 +36,13 @@ from lamploop.control.wire import (
 )
 from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
+from lamploop.transport import tls
+from lamploop.transport.connection import GOODBYE_TIMEOUT
+from lamploop.transport.handshake import Refusal
+from lamploop.transport.listen import serve_tcp
+from lamploop.transport.settings import check_int_in, check_seconds_each
+from lamploop.transport.strangers import PendingHandshakes, RefusalLog
+from lamploop.transport.supervisor import Supervisor
 
 __all__ = ["TcpControlRoot"]
 
@@ -101,16 +98,15 @@ class TcpControlRoot:
     ) -> None:
         self._run = Run.checked(nranks, token, model_spec)
         self._link = Link.checked(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
-        check_seconds(join_timeout=join_timeout, handshake_timeout=handshake_timeout)
-        check_int("port", port, 0, 65535)
-        check_int("max_pending_handshakes", max_pending_handshakes, 1)
+        check_seconds_each(join_timeout=join_timeout, handshake_timeout=handshake_timeout)
+        check_int_in("port", port, 0, 65535)
+        check_int_in("max_pending_handshakes", max_pending_handshakes, 1)
         self._host = host
         self._port = port
         self._join_timeout = join_timeout
         self._handshake_timeout = handshake_timeout
         self._handshakes = PendingHandshakes(max_pending_handshakes)
         self._tls = tls.check_context("ssl_context", ssl_context, server_side=True)
-        self._preauth_frame_bytes = preauth_frame_limit(nranks, model_spec, max_frame_bytes)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._address: tuple[str, int] | None = None
         self._peers: dict[int, Connection] = {}
@@ -161,7 +157,7 @@ class TcpControlRoot:
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
             if not self._stop_sent:
                 # Tell every follower why the run ends, then close our side.
-                abort = self._sup.abort_message(remaining, "root", own_rank=0)
+                abort = abort_message(self._sup, remaining, "root", own_rank=0)
                 for conn in list(self._peers.values()):
                     conn.finished = True  # their closing is expected now
                     await conn.send_best_effort(abort)
@@ -173,6 +169,10 @@ class TcpControlRoot:
 
     def _wake_up(self) -> None:
         self._joined_or_failed.set()
+
+    def _preauth_frame_bytes(self) -> int:
+        """The frame limit until a peer proves the token (read at each connection)."""
+        return preauth_frame_limit(self._run.nranks, self._run.model_spec, self._link.max_frame_bytes)
 
     async def on_rendezvous_ready(self, rendezvous: Rendezvous) -> None:
         """Wait until all ``nranks - 1`` followers have joined, then send each the rendezvous.
@@ -294,8 +294,7 @@ class TcpControlRoot:
         )
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        conn = Connection(stream, link=self._link)
-        conn.max_frame_bytes = self._preauth_frame_bytes  # raised once the peer proves the token
+        conn = Connection(stream, link=self._link, preauth_frame_bytes=self._preauth_frame_bytes())
         try:
             rank = await self._admit(conn)
             if rank is not None:
@@ -304,7 +303,13 @@ class TcpControlRoot:
             await conn.aclose()
 
     async def _admit(self, conn: Connection) -> int | None:
-        """Run the handshake; the follower's rank once welcomed, ``None`` if refused."""
+        """Run the handshake; the follower's rank once welcomed, ``None`` if refused.
+
+        The transport's order of checks (:mod:`lamploop.transport.handshake`): the token's
+        proof, the protocol version, then :func:`~lamploop.control.handshake.mismatch`.  A
+        stranger is refused and logged; a follower that proved the token but does not fit the
+        run is refused and fails the root too, since the run cannot succeed.
+        """
         try:
             with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
                 if self._tls is not None:
@@ -313,23 +318,23 @@ class TcpControlRoot:
             if slot.cancelled_caught:
                 await self._refuse_stranger(conn, "dropped: the oldest of too many connections handshaking")
                 return None
-            conn.max_frame_bytes = self._link.max_frame_bytes
         except TimeoutError:
             await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
             return None
-        except Unauthenticated as exc:
-            if exc.speaks_protocol:
-                await self._refuse_stranger(conn, str(exc))
+        except Refusal as exc:
+            if isinstance(exc.hello, Hello):
+                await self._refuse_follower(conn, exc.hello.rank, exc.reason)
+            elif exc.reply:
+                await self._refuse_stranger(conn, exc.reason)
             else:  # garbage or a hang-up: no reply, the least work for a flood of strangers
-                self._refusals.refused(conn.peer, str(exc))
+                self._refusals.refused(conn.peer, exc.reason)
             return None
         rank = hello.rank
         reason = mismatch(hello, self._run, self._peers)
         if reason is not None:
-            logger.warning("control root refused rank %d (%s): %s", rank, conn.peer, reason)
-            await conn.send_best_effort(Refuse(reason))
-            self._sup.fail(HandshakeError(f"refused rank {rank} ({conn.peer}): {reason}"))
+            await self._refuse_follower(conn, rank, reason)
             return None
+        conn.joined()
         # Take the rank before the first await, so that a duplicate cannot slip in meanwhile.
         conn.rank = rank
         self._peers[rank] = conn
@@ -352,7 +357,13 @@ class TcpControlRoot:
         try:
             return await tls.wrap(stream, context, server_side=True)
         except ControlChannelError as exc:
-            raise Unauthenticated(str(exc)) from exc
+            raise Refusal(str(exc)) from exc
+
+    async def _refuse_follower(self, conn: Connection, rank: int, reason: str) -> None:
+        """Refuse a peer that proved the token but does not fit the run, and fail the root for it."""
+        logger.warning("control root refused rank %d (%s): %s", rank, conn.peer, reason)
+        await conn.send_best_effort(Refuse(reason))
+        self._sup.fail(HandshakeError(f"refused rank {rank} ({conn.peer}): {reason}"))
 
     async def _refuse_stranger(self, conn: Connection, reason: str) -> None:
         self._refusals.refused(conn.peer, reason)
@@ -407,7 +418,7 @@ class TcpControlRoot:
         """A follower aborted: it failed itself, or it lost another rank (which it names).
 
         When it failed with an error that every rank detects itself (the Abort says so), this
-        side's own verdict is awaited first (see :mod:`lamploop.control._supervisor`).
+        side's own verdict is awaited first (see :mod:`lamploop.transport.supervisor`).
         """
         alike = abort.detected_by_every_rank
         if abort.lost_rank is not None and abort.lost_rank != conn.rank and abort.lost_rank != 0:

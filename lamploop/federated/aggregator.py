@@ -37,14 +37,11 @@ import anyio.abc
 import attrs
 import numpy as np
 import torch
-from anyio.abc import SocketAttribute
+from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from lamploop.checks import check_int, check_seconds
-from lamploop.control._connection import remote
-from lamploop.control._strangers import PendingHandshakes, RefusalLog
-from lamploop.control._tls import check_context, wrap
-from lamploop.errors import ConfigurationError, ControlChannelError, FederatedError, PlanNotApprovedError
+from lamploop.checks import check_int, int_at_least, seconds
+from lamploop.errors import ConfigurationError, FederatedError, PlanNotApprovedError, TransportError
 from lamploop.federated.checkpoints import load_round_checkpoint, save_round_checkpoint
 from lamploop.federated.fedavg import averaged_names, federated_average
 from lamploop.federated.link import Link, accept_node
@@ -61,22 +58,15 @@ from lamploop.federated.wire import (
     in_order,
 )
 from lamploop.modelspec import describe_mismatch, model_spec
-from lamploop.streaming.wire import check_token
+from lamploop.transport.connection import remote
+from lamploop.transport.listen import serve_tcp
+from lamploop.transport.proofs import check_token
+from lamploop.transport.strangers import PendingHandshakes, RefusalLog
+from lamploop.transport.tls import check_context, wrap
 
 __all__ = ["AggregatorSettings", "run_aggregator"]
 
 logger = logging.getLogger("lamploop.federated")
-
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    check_seconds(attribute.name, value)
-
-
-def _int_at_least(low: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        check_int(attribute.name, value, low)
-
-    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -97,17 +87,17 @@ class AggregatorSettings:
         keep_last: round checkpoints kept.
     """
 
-    rounds: int = attrs.field(validator=_int_at_least(0))
-    min_nodes: int = attrs.field(default=1, validator=_int_at_least(1))
+    rounds: int = attrs.field(validator=int_at_least(None, 0))
+    min_nodes: int = attrs.field(default=1, validator=int_at_least(None, 1))
     expected_nodes: int | None = None
-    join_timeout: float = attrs.field(default=60.0, validator=_seconds)
-    round_timeout: float = attrs.field(default=600.0, validator=_seconds)
-    round_attempts: int = attrs.field(default=1, validator=_int_at_least(1))
-    handshake_timeout: float = attrs.field(default=10.0, validator=_seconds)
-    max_pending_handshakes: int = attrs.field(default=64, validator=_int_at_least(1))
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=_int_at_least(1))
+    join_timeout: float = attrs.field(default=60.0, validator=seconds)
+    round_timeout: float = attrs.field(default=600.0, validator=seconds)
+    round_attempts: int = attrs.field(default=1, validator=int_at_least(None, 1))
+    handshake_timeout: float = attrs.field(default=10.0, validator=seconds)
+    max_pending_handshakes: int = attrs.field(default=64, validator=int_at_least(None, 1))
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=int_at_least(None, 1))
     checkpoint_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
-    keep_last: int = attrs.field(default=3, validator=_int_at_least(1))
+    keep_last: int = attrs.field(default=3, validator=int_at_least(None, 1))
 
     def __attrs_post_init__(self) -> None:
         if self.expected_nodes is not None:
@@ -154,6 +144,19 @@ class _Door:
         self.pending = PendingHandshakes(settings.max_pending_handshakes)
         self.refusals = RefusalLog(who="federated aggregator")
 
+    async def serve(self, host: str, port: int, *, task_status: TaskStatus[tuple[str, int]]) -> None:
+        """Listen on ``host:port`` (the transport's listener) and handle each connection in a task."""
+        async with anyio.create_task_group() as tg:
+            await serve_tcp(
+                host,
+                port,
+                on_connection=lambda stream: tg.start_soon(self.handle, stream),
+                refusals=self.refusals,
+                who="aggregator",
+                checks_first_bytes=self.context is None,  # under TLS the client speaks first
+                task_status=task_status,
+            )
+
     async def handle(self, stream: anyio.abc.SocketStream) -> None:
         name, link = await self._handshake(stream, remote(stream))
         if name is None or link is None:
@@ -172,7 +175,7 @@ class _Door:
                     return await accept_node(link, self.token), link
             except TimeoutError:
                 why = f"no handshake within {self.settings.handshake_timeout:g} s"
-            except ControlChannelError as exc:  # HandshakeError, FrameError, a broken connection
+            except TransportError as exc:  # HandshakeError, FrameError, a broken connection
                 why = str(exc)
         if slot.cancelled_caught:
             why = "dropped: too many connections handshaking at once"
@@ -195,7 +198,7 @@ class _Door:
                     await self.events.send(_Lost(name, link, why))
                     return
                 await self.events.send(_Answer(name, link, message))
-        except ControlChannelError as exc:
+        except TransportError as exc:
             await self.events.send(_Lost(name, link, f"its connection failed: {exc}"))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the round loop is gone: the run is over
@@ -349,7 +352,7 @@ class _Rounds:
         try:
             with anyio.fail_after(self.settings.round_timeout):
                 await link.send_frame(frame)
-        except (ControlChannelError, TimeoutError) as exc:
+        except (TransportError, TimeoutError) as exc:
             logger.warning("sending the round to node %s failed: %s", name, exc)
             await link.aclose()  # its reader then reports it lost
 
@@ -498,24 +501,26 @@ async def run_aggregator(
     send_events, receive_events = anyio.create_memory_object_stream[_Event](1024)
     door = _Door(secret, settings, context, send_events)
     loop = _Rounds(plan, settings, receive_events, model, rounds, on_round)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as tg, send_events, receive_events:
-            tg.start_soon(listener.serve, door.handle, tg)
-            if on_listening is not None:
-                on_listening(int(listener.extra(SocketAttribute.local_port)))
             try:
-                await loop.run(tg)
-            except Exception as exc:  # raised below, outside the task group, as itself
+                address = await tg.start(door.serve, host, port)
+            except OSError as exc:  # the address cannot be listened on: raised as itself, below
                 failure = exc
-                await loop.finish(f"the run failed: {exc}", failed=True)
+                tg.cancel_scope.cancel()
             else:
-                await loop.finish(f"the run is over after {settings.rounds} rounds", failed=False)
-            tg.cancel_scope.cancel()
+                if on_listening is not None:
+                    on_listening(address[1])
+                try:
+                    await loop.run(tg)
+                except Exception as exc:  # raised below, outside the task group, as itself
+                    failure = exc
+                    await loop.finish(f"the run failed: {exc}", failed=True)
+                else:
+                    await loop.finish(f"the run is over after {settings.rounds} rounds", failed=False)
+                tg.cancel_scope.cancel()
     finally:
-        with anyio.CancelScope(shield=True):
-            await listener.aclose()
         door.refusals.flush()
     if failure is not None:
         raise failure

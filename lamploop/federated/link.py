@@ -1,13 +1,15 @@
 """One authenticated connection between a node and the aggregator: whole messages in and out.
 
-:class:`Link` wraps an anyio byte stream (TCP, or TLS over it) with the sans-IO codec of
-:mod:`lamploop.federated.wire`; transport errors become
-:class:`~lamploop.errors.ControlChannelError`, bad frames :class:`~lamploop.errors.FrameError`.
-:func:`accept_node` and :func:`join_aggregator` are the two ends of the handshake, the
-control channel's (:mod:`lamploop.control.wire`): the aggregator's challenge, the node's
-hello with an HMAC proof of the shared token, the aggregator's own proof in its welcome.
-Until the proof checks out a frame may not exceed
-:data:`~lamploop.federated.wire.PREAUTH_FRAME_BYTES`.  Callers bound the time of every call.
+:class:`Link` is the transport's framed connection (:mod:`lamploop.transport.connection`)
+over the codec of :mod:`lamploop.federated.wire`; transport errors become
+:class:`~lamploop.errors.TransportError`, bad frames :class:`~lamploop.errors.FrameError`.
+:func:`accept_node` and :func:`join_aggregator` are the two ends of the transport's handshake
+(:mod:`lamploop.transport.handshake`): the aggregator's challenge, the node's hello with an
+HMAC proof of the shared token, the aggregator's own proof in its welcome; the aggregator
+checks the proof first, then the protocol version (a node has no other fields to check).
+Until the peer proved the token a frame may not exceed the transport's
+:data:`~lamploop.transport.frames.PREAUTH_FRAME_BYTES`, one frame at a time.  Callers bound
+the time of every call.
 
 .. versionadded:: 0.3
 """
@@ -19,11 +21,8 @@ import logging
 import anyio
 import anyio.abc
 
-from lamploop.control._framed import FramedBytes
-from lamploop.control.wire import new_nonce, proof_matches
 from lamploop.errors import HandshakeError
 from lamploop.federated.wire import (
-    PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
     Challenge,
     FrameDecoder,
@@ -35,35 +34,50 @@ from lamploop.federated.wire import (
     encode_frame,
     node_proof,
 )
+from lamploop.transport import frames
+from lamploop.transport.connection import FramedConnection
+from lamploop.transport.handshake import (
+    HelloRules,
+    NotAChallenge,
+    Refusal,
+    judge_challenge,
+    receive_hello,
+    version_mismatch,
+)
+from lamploop.transport.proofs import new_nonce, proof_matches
 
-__all__ = ["Link", "accept_node", "join_aggregator"]
+__all__ = ["RULES", "Link", "accept_node", "join_aggregator"]
 
 logger = logging.getLogger("lamploop.federated")
 
+RULES: HelloRules[Hello] = HelloRules(
+    protocol="federated",
+    server="the aggregator",
+    version=PROTOCOL_VERSION,
+    hello_type=Hello,
+    expected_proof=lambda token, nonce, hello: node_proof(token, aggregator_nonce=nonce, hello=hello),
+    client=lambda hello: f"node {hello.node!r}",
+)
+"""How the aggregator judges a node's hello (the transport's order of checks)."""
 
-class Link(FramedBytes[Message]):
+
+class Link(FramedConnection[Message]):
     """A byte stream that sends and receives whole federated messages."""
 
     def __init__(
         self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None
     ) -> None:
-        decoder = FrameDecoder(max_frame_bytes=min(max_frame_bytes, PREAUTH_FRAME_BYTES), one_at_a_time=True)
+        preauth = frames.preauth_frame_bytes(max_frame_bytes)
+        decoder = FrameDecoder(max_frame_bytes=preauth, one_at_a_time=True)
         super().__init__(stream, decoder, peer=peer)
-        self.decoder: FrameDecoder = decoder
         self.max_frame_bytes = max_frame_bytes
-
-    def authenticated(self, name: str) -> None:
-        """The peer proved the token: name it and lift the frame limit to ``max_frame_bytes``."""
-        self._peer = name
-        self.decoder.max_frame_bytes = self.max_frame_bytes
-        self.decoder.one_at_a_time = False
 
     async def send(self, message: Message) -> None:
         """Send one message.
 
         Raises:
             FrameError: it cannot be encoded within the limit.
-            ControlChannelError: the connection failed.
+            TransportError: the connection failed.
         """
         await self.send_frame(encode_frame(message, max_frame_bytes=self.max_frame_bytes))
 
@@ -71,7 +85,7 @@ class Link(FramedBytes[Message]):
         """Send a frame encoded already (one round's task, encoded once for every node).
 
         Raises:
-            ControlChannelError: the connection failed.
+            TransportError: the connection failed.
         """
         await self.send_bytes(data)
 
@@ -80,7 +94,7 @@ class Link(FramedBytes[Message]):
 
         Raises:
             FrameError: a bad frame.
-            ControlChannelError: the connection failed or ended inside a frame.
+            TransportError: the connection failed or ended inside a frame.
         """
         return await self.receive_item()
 
@@ -93,51 +107,47 @@ async def accept_node(link: Link, token: bytes) -> str:
     """The aggregator's end of the handshake; returns the node's name.
 
     Raises:
-        HandshakeError: a wrong protocol version, a wrong proof, or not a hello (the peer was
-            told why, as far as it listens).
-        FrameError, ControlChannelError: garbage, an oversized frame, a broken connection.
+        HandshakeError: not a hello, a wrong proof, another protocol version, a bad frame or a
+            broken connection (the peer was told why when it proved it speaks the protocol).
     """
     nonce = new_nonce()
-    await link.send(Challenge(PROTOCOL_VERSION, nonce))
-    hello = await link.receive()
-    if hello is None:
-        msg = f"{link.peer} closed the connection before its hello"
-        raise HandshakeError(msg)
-    if not isinstance(hello, Hello):
-        msg = f"{link.peer} sent a {type(hello).__name__} instead of a hello"
-        await link.send_best_effort(Refuse(msg))
-        raise HandshakeError(msg)
-    if hello.protocol_version != PROTOCOL_VERSION:
-        version = hello.protocol_version
-        msg = f"{link.peer} speaks protocol version {version}, this aggregator {PROTOCOL_VERSION}"
-        await link.send_best_effort(Refuse(msg))
-        raise HandshakeError(msg)
-    if not proof_matches(node_proof(token, aggregator_nonce=nonce, hello=hello), hello.proof):
-        msg = f"{link.peer} (calling itself {hello.node!r}) did not prove the token: wrong token"
-        await link.send_best_effort(Refuse("wrong token"))
-        raise HandshakeError(msg)
+    challenge = encode_frame(Challenge(PROTOCOL_VERSION, nonce), max_frame_bytes=link.max_frame_bytes)
+    try:
+        hello = await receive_hello(link, challenge, RULES, token=token, nonce=nonce)
+    except Refusal as exc:
+        if exc.reply:
+            await link.send_best_effort(Refuse(exc.reason))
+        raise HandshakeError(exc.reason) from exc
     await link.send(Welcome(aggregator_proof(token, aggregator_nonce=nonce, hello=hello)))
-    link.authenticated(hello.node)
+    link.authenticated(link.max_frame_bytes, name=hello.node)
     return hello.node
 
 
 async def join_aggregator(link: Link, token: bytes, name: str) -> None:
     """The node's end of the handshake.
 
+    The node checks the challenge's protocol version itself before it answers (the aggregator
+    would refuse it, naming both versions, once the node proved the token).
+
     Raises:
-        HandshakeError: refused (the aggregator's reason), or the aggregator did not prove the
-            token (it is not the aggregator this node trusts).
-        FrameError, ControlChannelError: a bad frame or a broken connection.
+        HandshakeError: refused (the aggregator's reason), another protocol version, or the
+            aggregator did not prove the token (it is not the aggregator this node trusts).
+        FrameError, TransportError: a bad frame or a broken connection.
     """
-    challenge = await link.receive()
-    if not isinstance(challenge, Challenge):
-        what = "closed the connection" if challenge is None else f"sent a {type(challenge).__name__}"
-        msg = f"the aggregator at {link.peer} {what} instead of a challenge"
-        raise HandshakeError(msg)
-    if challenge.protocol_version != PROTOCOL_VERSION:
-        version = challenge.protocol_version
-        msg = f"the aggregator speaks protocol version {version}, this node {PROTOCOL_VERSION}"
-        raise HandshakeError(msg)
+    try:
+        challenge = judge_challenge(await link.receive(), Challenge)
+    except NotAChallenge as exc:
+        msg = f"the aggregator at {link.peer} {exc.what} instead of a challenge"
+        raise HandshakeError(msg) from None
+    mismatch = version_mismatch(
+        challenge.protocol_version,
+        PROTOCOL_VERSION,
+        protocol="federated",
+        them="the aggregator",
+        us="this node",
+    )
+    if mismatch is not None:
+        raise HandshakeError(mismatch)
     unsigned = Hello(PROTOCOL_VERSION, name, new_nonce(), "")
     hello = Hello(
         PROTOCOL_VERSION,
@@ -159,4 +169,4 @@ async def join_aggregator(link: Link, token: bytes, name: str) -> None:
     ):
         msg = f"the aggregator at {link.peer} did not prove the token: not the aggregator this node trusts"
         raise HandshakeError(msg)
-    link.authenticated("the aggregator")
+    link.authenticated(link.max_frame_bytes, name="the aggregator")

@@ -39,17 +39,15 @@ import torch
 import torch._dynamo
 
 from lamploop.batches import Batch, BatchContext, BatchStream, BatchStreamFactory, epoch_seed
-from lamploop.checks import check_int, check_seconds
-from lamploop.control._connection import explain
-from lamploop.control._tls import check_context, wrap
+from lamploop.checks import check_int, seconds
 from lamploop.errors import (
     BatchError,
     ConfigurationError,
-    ControlChannelError,
     FederatedError,
     FrameError,
     HandshakeError,
     NonFiniteLossError,
+    TransportError,
 )
 from lamploop.federated.approval import load_allow_list
 from lamploop.federated.link import Link, join_aggregator
@@ -69,15 +67,13 @@ from lamploop.federated.wire import (
 from lamploop.loop import one_epoch
 from lamploop.metrics import metrics_of
 from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
-from lamploop.streaming.wire import check_token
+from lamploop.transport.connection import explain
+from lamploop.transport.proofs import check_token
+from lamploop.transport.tls import check_context, wrap
 
 __all__ = ["NodeSettings", "NodeSummary", "run_node"]
 
 logger = logging.getLogger("lamploop.federated")
-
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    check_seconds(attribute.name, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -93,10 +89,10 @@ class NodeSettings:
         max_frame_bytes: the largest frame accepted from the aggregator.
     """
 
-    connect_timeout: float = attrs.field(default=60.0, validator=_seconds)
-    retry_interval: float = attrs.field(default=0.2, validator=_seconds)
-    handshake_timeout: float = attrs.field(default=10.0, validator=_seconds)
-    idle_timeout: float = attrs.field(default=3600.0, validator=_seconds)
+    connect_timeout: float = attrs.field(default=60.0, validator=seconds)
+    retry_interval: float = attrs.field(default=0.2, validator=seconds)
+    handshake_timeout: float = attrs.field(default=10.0, validator=seconds)
+    idle_timeout: float = attrs.field(default=3600.0, validator=seconds)
     max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES)
 
     def __attrs_post_init__(self) -> None:
@@ -381,7 +377,7 @@ async def _reach(
                 return link
         except HandshakeError:
             raise
-        except (OSError, ControlChannelError, TimeoutError) as exc:
+        except (OSError, TransportError, TimeoutError) as exc:
             last = explain(exc)
             if isinstance(exc, FrameError):  # not the aggregator being away: say it, then retry
                 logger.warning("node %s: joining the aggregator failed, trying again: %s", name, last)
@@ -407,7 +403,7 @@ async def _serve(
             if idle.cancelled_caught:
                 msg = f"node {trainer.name!r}: no message from the aggregator for {config.idle_timeout:g} s"
                 raise FederatedError(msg)
-        except ControlChannelError as exc:
+        except TransportError as exc:
             logger.warning("node %s: %s", trainer.name, exc)
             return None
         if message is None:
@@ -424,7 +420,7 @@ async def _serve(
         (refused if isinstance(answer, RoundRefused) else trained).append(message.round)
         try:
             await link.send(answer)
-        except ControlChannelError as exc:
+        except TransportError as exc:
             logger.warning("node %s: %s", trainer.name, exc)
             return None
 

@@ -1,8 +1,10 @@
 """The federated transport's wire format, without I/O: messages, frames, strict decoding, proofs.
 
 The frame layout is the streaming transport's (:mod:`lamploop.streaming.wire`): a 4-byte
-big-endian body length, then the body: a 2-byte big-endian length, that many bytes of UTF-8
-JSON (the *header*, whose ``"type"`` names the message), then the *payload*: tensors in
+big-endian body length (the transport's frame, :mod:`lamploop.transport.frames`), then the
+body: a 2-byte big-endian length, that many bytes of UTF-8 JSON (the *header*: the
+transport's envelope, :mod:`lamploop.transport.envelope`, whose ``"type"`` names the
+message), then the *payload*: tensors in
 the safetensors format (:func:`encode_tensors`; a round's global model, a node's
 parameters), read by safetensors' own parser, empty for every other message.  Nothing is
 ever unpickled.
@@ -22,15 +24,15 @@ Finish           aggregator → node   the run is over (or failed): why
 
 Decoding is strict: an unknown type, a missing or extra field, a string where a number
 belongs, a payload where none belongs, tensors that do not decode: :class:`FrameError`.  A
-:class:`FrameDecoder` refuses a frame over its size limit at the 4-byte header, before
-buffering the body; the limit is small until the peer has proved the token.
+:class:`FrameDecoder` (the transport's) refuses a frame over its size limit at the 4-byte
+header, before buffering the body; the limit is small, and frames are decoded one at a time,
+until the peer has proved the token.
 
 .. versionadded:: 0.3
 """
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Iterable, Mapping
@@ -41,9 +43,12 @@ import cattrs
 import safetensors.torch
 import torch
 
-from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
 from lamploop.errors import FrameError
 from lamploop.safetensors_layout import safetensors_parts
+from lamploop.transport import frames
+from lamploop.transport.envelope import Envelope, wire_converter
+from lamploop.transport.handshake import Refuse
+from lamploop.transport.proofs import MAX_NAME_BYTES, check_name, name_validator, nonce_validator, token_proof
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -76,13 +81,13 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 """Default limit on a frame's body once the peer proved the token (a model's tensors): 256 MiB."""
 
-PREAUTH_FRAME_BYTES: Final = 4096
-"""The largest frame accepted before the peer proved the token (a hello is about 300 bytes)."""
+PREAUTH_FRAME_BYTES: Final = frames.PREAUTH_FRAME_BYTES
+"""The transport's limit on a frame before the peer proved the token (a hello is about 300
+bytes), as it was when this module was imported; a link reads the transport's at each connection."""
 
-MAX_NODE_NAME_BYTES: Final = 200
+MAX_NODE_NAME_BYTES: Final = MAX_NAME_BYTES
 """A node's name is 1 to 200 bytes of UTF-8 without control characters."""
 
-_FRAME_HEADER = struct.Struct(">I")
 _JSON_HEADER = struct.Struct(">H")
 
 
@@ -94,27 +99,11 @@ def in_order(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[
 
 
 def check_node_name(value: object) -> str | None:
-    """Why ``value`` cannot name a node, or ``None`` if it can."""
-    if not isinstance(value, str):
-        return f"a node's name is a str, got {type(value).__name__}"
-    size = len(value.encode())
-    if not 1 <= size <= MAX_NODE_NAME_BYTES:
-        return f"a node's name is 1 to {MAX_NODE_NAME_BYTES} bytes of UTF-8, got {size} bytes"
-    if not value.isprintable():
-        return f"a node's name has no control characters, got {value!r:.80}"
-    return None
+    """Why ``value`` cannot name a node, or ``None`` if it can (the transport's :func:`check_name`)."""
+    return check_name(value, "node")
 
 
-def _name(_: object, __: object, value: str) -> None:
-    reason = check_node_name(value)
-    if reason is not None:
-        raise ValueError(reason)
-
-
-def _nonce(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not is_nonce(value):
-        msg = f"{attribute.name} must be 64 lowercase hex digits, got {value!r:.80}"
-        raise ValueError(msg)
+_name = name_validator("node")
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -128,7 +117,7 @@ class Challenge:
     """Aggregator → node, first frame on every connection: its protocol version and nonce."""
 
     protocol_version: int
-    nonce: str = attrs.field(validator=_nonce)
+    nonce: str = attrs.field(validator=nonce_validator)
 
 
 @attrs.frozen
@@ -137,7 +126,7 @@ class Hello:
 
     protocol_version: int
     node: str = attrs.field(validator=_name)
-    nonce: str = attrs.field(validator=_nonce)
+    nonce: str = attrs.field(validator=nonce_validator)
     proof: str
 
 
@@ -146,13 +135,6 @@ class Welcome:
     """Aggregator → node: accepted; ``proof`` (:func:`aggregator_proof`) shows it knows the token too."""
 
     proof: str
-
-
-@attrs.frozen
-class Refuse:
-    """Either way: not accepted, or a bad frame, and why; the sender closes after it."""
-
-    reason: str
 
 
 @attrs.frozen
@@ -234,52 +216,31 @@ _TAGS: Final[dict[type[Any], str]] = {
     RoundRefused: "round_refused",
     Finish: "finish",
 }
-_TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in _TAGS.items()}
 _WITH_TENSORS: Final = (RoundTask, RoundReply)
-
-
-def _strict(expected: type[Any] | tuple[type[Any], ...], name: str) -> Any:
-    def hook(value: Any, _type: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, expected):
-            msg = f"expected {name}, got {type(value).__name__} {value!r:.40}"
-            raise TypeError(msg)
-        return value
-
-    return hook
-
-
-def _float(value: Any, _type: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"expected a number, got {type(value).__name__} {value!r:.40}"
-        raise TypeError(msg)
-    return float(value)
-
-
-def _bool(value: Any, _type: Any) -> bool:
-    if not isinstance(value, bool):
-        msg = f"expected true or false, got {type(value).__name__} {value!r:.40}"
-        raise TypeError(msg)
-    return value
 
 
 def _is_tensors(t: Any) -> bool:
     return bool(t == Mapping[str, torch.Tensor])
 
 
+def _an_object(value: Any, _type: Any) -> Any:
+    if not isinstance(value, dict):
+        msg = f"expected an object, got {type(value).__name__} {value!r:.40}"
+        raise TypeError(msg)
+    return value
+
+
 def _make_converter() -> cattrs.Converter:
-    converter = cattrs.Converter(forbid_extra_keys=True)
-    converter.register_structure_hook(int, _strict(int, "an integer"))
-    converter.register_structure_hook(float, _float)
-    converter.register_structure_hook(str, _strict(str, "a string"))
-    converter.register_structure_hook(bool, _bool)
-    converter.register_structure_hook_func(lambda t: t == dict[str, Any], _strict(dict, "an object"))
+    converter = wire_converter()
+    converter.register_structure_hook_func(lambda t: t == dict[str, Any], _an_object)
     # Tensors travel as the payload, not in the JSON header: the codec handles them itself.
     converter.register_structure_hook_func(_is_tensors, lambda value, _type: value)
     converter.register_unstructure_hook_func(_is_tensors, lambda _value: {})
     return converter
 
 
-_CONVERTER: Final = _make_converter()
+ENVELOPE: Final = Envelope("federated", _TAGS, _make_converter(), part="header")
+"""The federated messages' headers as the transport's tagged JSON."""
 
 
 # -- tensors --
@@ -336,42 +297,16 @@ def encode_frame(message: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
         FrameError: not a federated message, a non-finite number in it, or a frame over
             ``max_frame_bytes``.
     """
-    tag = _TAGS.get(type(message))
-    if tag is None:
-        msg = f"cannot encode {type(message).__name__!r}: not a federated message"
-        raise FrameError(msg)
-    fields: dict[str, Any] = _CONVERTER.unstructure(message)
+    fields = ENVELOPE.fields(message)
     payload = b""
     if isinstance(message, _WITH_TENSORS):
         del fields["tensors"]
         payload = encode_tensors(message.tensors)
-    try:
-        header = json.dumps({"type": tag, **fields}, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except ValueError as exc:
-        msg = f"cannot encode a {type(message).__name__}: {exc}"
-        raise FrameError(msg) from exc
-    raw = header.encode()
+    raw = ENVELOPE.dump(fields)
     if len(raw) > 0xFFFF:
         msg = f"a {type(message).__name__} header of {len(raw)} bytes is over the limit of 65535 bytes"
         raise FrameError(msg)
-    length = _JSON_HEADER.size + len(raw) + len(payload)
-    if length > max_frame_bytes:
-        msg = (
-            f"a {type(message).__name__} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
-        )
-        raise FrameError(msg)
-    return b"".join((_FRAME_HEADER.pack(length), _JSON_HEADER.pack(len(raw)), raw, payload))
-
-
-def _reject_constant(name: str) -> Any:
-    msg = f"{name} is not valid JSON"
-    raise ValueError(msg)
-
-
-def _describe(exc: BaseException, _type: Any = None) -> str:
-    if isinstance(exc, KeyError):
-        return f"missing field {exc}"
-    return str(exc) or type(exc).__name__
+    return frames.frame((_JSON_HEADER.pack(len(raw)), raw, payload), type(message).__name__, max_frame_bytes)
 
 
 def decode_body(body: bytes) -> Message:
@@ -388,19 +323,7 @@ def decode_body(body: bytes) -> Message:
     if end > len(body):
         msg = f"a frame's header announces {length} bytes, but the body has only {len(body) - 2}"
         raise FrameError(msg)
-    try:
-        obj = json.loads(body[_JSON_HEADER.size : end].decode(), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        msg = f"the frame header is not UTF-8 JSON: {exc}"
-        raise FrameError(msg) from exc
-    if not isinstance(obj, dict):
-        msg = f"the frame header is a JSON {type(obj).__name__}, not an object"
-        raise FrameError(msg)
-    tag = obj.pop("type", None)
-    cls = _TYPES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        msg = f"unknown message type {tag!r:.60}"
-        raise FrameError(msg)
+    cls, tag, obj = ENVELOPE.parse(body[_JSON_HEADER.size : end])
     payload = body[end:]
     if cls in _WITH_TENSORS:
         if "tensors" in obj:
@@ -410,77 +333,23 @@ def decode_body(body: bytes) -> Message:
     elif payload:
         msg = f"a {tag!r} message has no payload, got {len(payload)} bytes after its header"
         raise FrameError(msg)
-    try:
-        message: Message = _CONVERTER.structure(obj, cls)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
-        if isinstance(exc, cattrs.BaseValidationError):
-            detail = "; ".join(cattrs.transform_error(exc, format_exception=_describe))
-        else:
-            detail = _describe(exc)
-        msg = f"malformed {tag!r} message: {detail}"[:400]
-        raise FrameError(msg) from exc
+    message: Message = ENVELOPE.structure(obj, cls, tag)
     if isinstance(message, _WITH_TENSORS):
         message = attrs.evolve(message, tensors=decode_tensors(payload))
     return message
 
 
-class FrameDecoder:
-    """Splits a byte stream into messages; feed it whatever the socket returned.
+class FrameDecoder(frames.FrameDecoder[Message]):
+    """Splits a byte stream into messages: the transport's decoder (:mod:`lamploop.transport.frames`)
+    of federated frames; feed it whatever the socket returned.
 
-    The announced length is checked against :attr:`max_frame_bytes` as soon as the 4-byte
-    header is complete.  After a :class:`FrameError` every later :meth:`feed` raises again.
     With :attr:`one_at_a_time` (before the peer proved the token) a call decodes one frame
     at most and keeps the rest: the limit may be lifted before the next frame is looked at
     (an aggregator's welcome and its first round's task can arrive in one read).
     """
 
-    def __init__(self, *, max_frame_bytes: int, one_at_a_time: bool = False) -> None:
-        if max_frame_bytes < 1:
-            msg = f"max_frame_bytes must be positive, got {max_frame_bytes}"
-            raise ValueError(msg)
-        self.max_frame_bytes = max_frame_bytes
-        self.one_at_a_time = one_at_a_time
-        self._buffer = bytearray()
-        self._error: FrameError | None = None
-
-    @property
-    def buffered(self) -> int:
-        """How many bytes of an incomplete frame wait for the rest."""
-        return len(self._buffer)
-
-    def feed(self, data: bytes) -> list[Message]:
-        """Add ``data``; return the messages of every frame it completes, in order.
-
-        Raises:
-            FrameError: a frame over the limit or one that does not decode; also on any
-                call after one that raised.
-        """
-        if self._error is not None:
-            msg = f"the stream is unusable after an earlier bad frame: {self._error}"
-            raise FrameError(msg)
-        buffer = self._buffer
-        buffer += data
-        messages: list[Message] = []
-        offset = 0
-        try:
-            while len(buffer) - offset >= HEADER_BYTES:
-                (length,) = _FRAME_HEADER.unpack_from(buffer, offset)
-                if length > self.max_frame_bytes:
-                    msg = f"a frame announces {length} bytes, over the limit of {self.max_frame_bytes} bytes"
-                    raise FrameError(msg)
-                end = offset + HEADER_BYTES + length
-                if end > len(buffer):
-                    break
-                messages.append(decode_body(bytes(buffer[offset + HEADER_BYTES : end])))
-                offset = end
-                if self.one_at_a_time:
-                    break
-        except FrameError as exc:
-            self._error = exc
-            buffer.clear()
-            raise
-        del buffer[:offset]
-        return messages
+    def decode_body(self, body: bytearray) -> Message:
+        return decode_body(bytes(body))
 
 
 # -- proofs --
@@ -489,7 +358,7 @@ class FrameDecoder:
 def _transcript(hello: Hello) -> bytes:
     fields = attrs.asdict(hello)
     del fields["proof"]
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return ENVELOPE.dump(fields)
 
 
 def node_proof(token: bytes, *, aggregator_nonce: str, hello: Hello) -> str:

@@ -5,7 +5,9 @@ tells it what it already holds, then puts every new sample into the sink *before
 acknowledging it: an acknowledged sample is in the sink, so nothing acknowledged is ever
 lost, and a producer that reconnects resends exactly what was not acknowledged.  The wire
 format is :mod:`lamploop.streaming.wire`'s; the producers are in
-:mod:`lamploop.streaming.producer`.
+:mod:`lamploop.streaming.producer`.  This module is the server (listening, the handshake of
+:mod:`lamploop.transport.handshake`, the directory, one connection per producer); a welcomed
+producer's samples are taken by its session (:mod:`lamploop.streaming.receiver_session`).
 
 Per producer the receiver remembers the highest seq it holds with every one before it
 (:attr:`SampleReceiver.acknowledged`).  Save that with the trainer's state (along with the
@@ -42,10 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import ssl
-import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 
 import anyio
@@ -53,98 +53,60 @@ import anyio.abc
 import attrs
 from anyio.abc import TaskStatus
 
-from lamploop.control import _tls as tls
-from lamploop.control._connection import explain
-from lamploop.control._listen import serve_tcp
-from lamploop.control._settings import check_int, check_seconds
-from lamploop.control._strangers import PendingHandshakes, RefusalLog
-from lamploop.control._supervisor import Supervisor
-from lamploop.control.wire import new_nonce, proof_matches
 from lamploop.errors import (
-    BufferClosedError,
     ConfigurationError,
-    ControlChannelError,
-    FrameError,
     StreamingError,
+    TransportError,
 )
 from lamploop.streaming.directory import ProducerDirectory
-from lamploop.streaming.sample import Sample, SampleSink
-from lamploop.streaming.tensor_bytes import Signature, describe_mismatch, signature_of
+from lamploop.streaming.receiver_session import IngestStats, Intake, ProducerSession
+from lamploop.streaming.sample import SampleSink
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_SEQ,
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
-    Ack,
     Challenge,
-    Done,
     FramedStream,
     Hello,
     Redirect,
     Refuse,
-    SamplesFrame,
     Welcome,
     check_producer_name,
-    check_token,
     encode_frame,
     producer_proof,
     receiver_proof,
     redirect_proof,
 )
+from lamploop.transport import frames, tls
+from lamploop.transport.handshake import HelloRules, Refusal, receive_hello
+from lamploop.transport.listen import serve_tcp
+from lamploop.transport.proofs import check_token, new_nonce
+from lamploop.transport.settings import check_int_in, check_seconds_each
+from lamploop.transport.strangers import PendingHandshakes, RefusalLog
+from lamploop.transport.supervisor import Supervisor
 
 __all__ = ["IngestStats", "SampleReceiver"]
 
 logger = logging.getLogger("lamploop.streaming")
 
 _RECENT_REFUSALS = 16
-_REFUSAL_BYTES = PREAUTH_FRAME_BYTES - 96
-"""A Refuse frame stays under what a producer's decoder takes (its reason is cut to fit)."""
+_REFUSAL_MARGIN = 96
+"""A Refuse frame stays this far under what a producer's decoder takes before the receiver
+proved the token (the transport's pre-authentication limit): its reason is cut to fit."""
 _LISTED_NAMES = 8
 _REPLACE_TIMEOUT = 5.0
-_ACK_DELAY = 0.005
-"""Seconds after a put within which it is acknowledged, even if the next put waits; also the
-least time between two acknowledgements sent because the producer's stream paused (each ack
-is a system call that wakes the producer: one per frame cost more than the frame's decoding)."""
 
 
-@attrs.frozen
-class IngestStats:
-    """What a receiver took in so far.
-
-    Attributes:
-        samples: samples put into the sink.
-        bytes: their frames' bytes on the wire.
-        duplicates: samples dropped because the receiver already held them.
-        put_seconds: time spent awaiting ``sink.put`` (the back-pressure of the sink).
-        max_put_seconds: the longest single ``sink.put``.
-        refusals: connections refused (strangers, producers that broke the protocol or sent a
-            sample unlike the stream's, and samples after the buffer closed: see ``refusals``).
-    """
-
-    samples: int
-    bytes: int
-    duplicates: int
-    put_seconds: float
-    max_put_seconds: float
-    refusals: int
-
-
-class _Stranger(Exception):
-    """A connection is refused; ``reply`` says whether to tell it why (internal)."""
-
-    def __init__(self, reason: str, *, reply: bool = False) -> None:
-        super().__init__(reason)
-        self.reply = reply
-
-
-@attrs.define
-class _Acks:
-    """What was acknowledged to one producer's connection, and a wake-up for the delayed ack."""
-
-    sent: int
-    at: float = -math.inf  # when the last one was sent (anyio's clock)
-    lock: anyio.Lock = attrs.field(factory=anyio.Lock)
-    wake: anyio.Event = attrs.field(factory=anyio.Event)
+RULES: HelloRules[Hello] = HelloRules(
+    protocol="streaming",
+    server="the receiver",
+    version=PROTOCOL_VERSION,
+    hello_type=Hello,
+    expected_proof=lambda token, nonce, hello: producer_proof(token, receiver_nonce=nonce, hello=hello),
+    client=lambda hello: f"producer {hello.producer!r}",
+)
+"""How a receiver judges a producer's hello (the transport's order of checks)."""
 
 
 @attrs.define
@@ -230,17 +192,17 @@ class SampleReceiver:
             msg = f"sink must have an async put(sample) (a SampleSink), got {type(sink).__name__}"
             raise ConfigurationError(msg)
         self._token = check_token(token)
-        check_int("port", port, 0, 65535)
-        check_int("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
-        check_int("ack_every", ack_every, 1)
-        check_int("max_pending_handshakes", max_pending_handshakes, 1)
-        check_seconds(handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
-        self._acked: dict[str, int] = {}
+        check_int_in("port", port, 0, 65535)
+        check_int_in("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
+        check_int_in("ack_every", ack_every, 1)
+        check_int_in("max_pending_handshakes", max_pending_handshakes, 1)
+        check_seconds_each(handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
+        acked: dict[str, int] = {}
         for name, seq in (acknowledged or {}).items():
             _check_name("acknowledged", name)
-            check_int(f"acknowledged[{name!r}]", seq, -1, MAX_SEQ)
-            self._acked[name] = seq
-        self._done = {_check_name("producers_done", name) for name in producers_done}
+            check_int_in(f"acknowledged[{name!r}]", seq, -1, MAX_SEQ)
+            acked[name] = seq
+        done = {_check_name("producers_done", name) for name in producers_done}
         self._expected = (
             None
             if expected_producers is None
@@ -254,15 +216,6 @@ class SampleReceiver:
         if not isinstance(uniform_samples, bool):
             msg = f"uniform_samples must be a bool, got {type(uniform_samples).__name__}"
             raise ConfigurationError(msg)
-        self._uniform = uniform_samples
-        # The first sample taken: its producer, seq and signature (what every sample must match).
-        self._reference: tuple[str, int, Signature] | None = None
-        self._refused_producers: dict[str, str] = {}
-        self._sink = sink
-        try_put_many = getattr(sink, "try_put_many", None)
-        self._try_put_many: Callable[[Sequence[Sample]], int] | None = (
-            try_put_many if callable(try_put_many) else None
-        )
         self._directory = ProducerDirectory(directory_assignments, own_index=directory_index)
         self._directory_index = 0 if directory_index is None else directory_index
         self._directory_set = anyio.Event()
@@ -278,8 +231,15 @@ class SampleReceiver:
         self._sup = Supervisor(on_failure=self._wake_up)
         self._all_done_or_failed = anyio.Event()
         self._address: tuple[str, int] | None = None
-        self._samples = self._bytes = self._duplicates = 0
-        self._put_seconds = self._max_put_seconds = 0.0
+        # What the producers' sessions share: what is held, who is done, the stream's first sample.
+        self._intake = Intake(
+            sink,
+            acknowledged=acked,
+            done=done,
+            uniform=uniform_samples,
+            on_change=self._check_all_done,
+            on_failure=self._sup.fail,
+        )
         self._check_all_done()
 
     # -- what the owner reads --
@@ -295,7 +255,7 @@ class SampleReceiver:
     @property
     def acknowledged(self) -> dict[str, int]:
         """Per producer, the highest seq in the sink with every one before it (a copy: checkpoint it)."""
-        return dict(self._acked)
+        return dict(self._intake.acked)
 
     @property
     def directory_assignments(self) -> dict[str, int]:
@@ -327,7 +287,7 @@ class SampleReceiver:
                     f"listens on port {self._address[1]}"
                 )
                 raise ConfigurationError(msg)
-        served = set(self._acked) | self._done | set(self._active)
+        served = set(self._intake.acked) | self._intake.done | set(self._active)
         self._directory.set_addresses(addresses, own_index=own_index, served=served)
         self._directory_set.set()
         logger.info("sample receiver: producers handed out over %d receivers", len(addresses))
@@ -335,13 +295,13 @@ class SampleReceiver:
     @property
     def producers_done(self) -> frozenset[str]:
         """The producers that sent Done (and every sample before it)."""
-        return frozenset(self._done)
+        return frozenset(self._intake.done)
 
     @property
     def producers_refused(self) -> dict[str, str]:
         """The producers refused for good, and why (a sample unlike the stream's first one): they
         count as ended for :meth:`wait_all_done`; their samples before that one were taken."""
-        return dict(self._refused_producers)
+        return dict(self._intake.refused)
 
     @property
     def refusals(self) -> int:
@@ -357,14 +317,7 @@ class SampleReceiver:
     @property
     def stats(self) -> IngestStats:
         """What was taken in so far."""
-        return IngestStats(
-            samples=self._samples,
-            bytes=self._bytes,
-            duplicates=self._duplicates,
-            put_seconds=self._put_seconds,
-            max_put_seconds=self._max_put_seconds,
-            refusals=self._refusals.total,
-        )
+        return self._intake.stats(self._refusals.total)
 
     async def wait_all_done(self) -> None:
         """Wait until every producer of ``expected_producers`` has sent Done (or was refused for
@@ -409,7 +362,8 @@ class SampleReceiver:
         self._all_done_or_failed.set()
 
     def _check_all_done(self) -> None:
-        if self._expected is not None and self._expected <= self._done | self._refused_producers.keys():
+        intake = self._intake
+        if self._expected is not None and self._expected <= intake.done | intake.refused.keys():
             self._all_done_or_failed.set()
 
     # -- serving --
@@ -426,69 +380,59 @@ class SampleReceiver:
         )
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        conn = FramedStream(stream, max_frame_bytes=PREAUTH_FRAME_BYTES)
+        conn = FramedStream(
+            stream, max_frame_bytes=frames.preauth_frame_bytes(self._max_frame_bytes), one_at_a_time=True
+        )
         try:
             try:
                 hello, nonce = await self._authenticate(conn)
-            except _Stranger as exc:
-                self._refusals.refused(conn.peer, str(exc))
+            except Refusal as exc:
+                self._refusals.refused(conn.peer, exc.reason)
                 if exc.reply:
-                    await conn.send_best_effort(_refuse(str(exc)))
+                    await conn.send_best_effort(_refuse(exc.reason))
                 return
             if await self._redirected(conn, hello, nonce):
                 return
             try:
                 async with self._claim(hello.producer):
                     await self._serve_producer(conn, hello, nonce)
-            except _Stranger as exc:
-                self._refusals.refused(conn.peer, str(exc))
-                await conn.send_best_effort(_refuse(str(exc)))
+            except Refusal as exc:
+                self._refusals.refused(conn.peer, exc.reason)
+                await conn.send_best_effort(_refuse(exc.reason))
         finally:
             await conn.aclose()
 
     async def _authenticate(self, conn: FramedStream) -> tuple[Hello, str]:
-        """Challenge the peer and check its hello; raises _Stranger if it is none of ours."""
+        """Challenge the peer and judge its hello: the transport's order of checks (the token's
+        proof, the protocol version), then this receiver's own (the producer's name).
+
+        Raises:
+            Refusal: it is none of ours, or a producer this receiver does not take.
+        """
         nonce = new_nonce()
-        message = None
         try:
             with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
                 if self._tls is not None:
-                    conn.stream = await tls.wrap(conn.stream, self._tls, server_side=True)
-                await conn.send(encode_frame(Challenge(PROTOCOL_VERSION, nonce)))
-                message = await conn.receive()
+                    try:
+                        conn.stream = await tls.wrap(conn.stream, self._tls, server_side=True)
+                    except TransportError as exc:
+                        raise Refusal(str(exc)) from exc
+                challenge = encode_frame(Challenge(PROTOCOL_VERSION, nonce))
+                hello = await receive_hello(conn, challenge, RULES, token=self._token, nonce=nonce)
         except TimeoutError:
             msg = f"no valid hello within {self._handshake_timeout:g} s"
-            raise _Stranger(msg, reply=True) from None
-        except ControlChannelError as exc:  # FrameError included: garbage gets no reply
-            raise _Stranger(str(exc)) from exc
+            raise Refusal(msg, reply=True) from None
         if slot.cancelled_caught:
             msg = "dropped: the oldest of too many connections handshaking"
-            raise _Stranger(msg, reply=True)
-        if message is None:
-            msg = "closed the connection without a hello"
-            raise _Stranger(msg)
-        if not isinstance(message, Hello):
-            msg = f"sent a {type(message).__name__} message instead of a hello"
-            raise _Stranger(msg)
-        if not proof_matches(producer_proof(self._token, receiver_nonce=nonce, hello=message), message.proof):
-            msg = "the proof of the shared token did not match (wrong token?)"
-            raise _Stranger(msg, reply=True)
-        if message.protocol_version != PROTOCOL_VERSION:
-            msg = (
-                f"producer {message.producer!r} speaks streaming protocol version "
-                f"{message.protocol_version}, the receiver speaks version {PROTOCOL_VERSION}"
-            )
-            raise _Stranger(msg, reply=True)
-        if self._allowed is not None and message.producer not in self._allowed:
-            msg = (
-                f"producer {message.producer!r} is not one of this run's producers ({_listed(self._allowed)})"
-            )
-            raise _Stranger(msg, reply=True)
-        refused = self._refused_producers.get(message.producer)
+            raise Refusal(msg, reply=True)
+        if self._allowed is not None and hello.producer not in self._allowed:
+            msg = f"producer {hello.producer!r} is not one of this run's producers ({_listed(self._allowed)})"
+            raise Refusal(msg, reply=True, hello=hello)
+        refused = self._intake.refused.get(hello.producer)
         if refused is not None:  # it may not have read why, the first time
-            msg = f"producer {message.producer!r} was refused for good: {refused}"
-            raise _Stranger(msg, reply=True)
-        return message, nonce
+            msg = f"producer {hello.producer!r} was refused for good: {refused}"
+            raise Refusal(msg, reply=True, hello=hello)
+        return hello, nonce
 
     async def _redirected(self, conn: FramedStream, hello: Hello, nonce: str) -> bool:
         """Send the producer to its assigned receiver if that is another one; whether it was sent
@@ -511,7 +455,7 @@ class SampleReceiver:
         try:
             with anyio.fail_after(self._handshake_timeout):
                 await conn.send(encode_frame(Redirect(host, port, proof)))
-        except (TimeoutError, ControlChannelError) as exc:
+        except (TimeoutError, TransportError) as exc:
             logger.info("producer %r (%s) is gone before its redirect: %s", hello.producer, conn.peer, exc)
             return True
         logger.info("producer %r (%s) redirected to %s:%d", hello.producer, conn.peer, host, port)
@@ -531,7 +475,7 @@ class SampleReceiver:
                 await old.ended.wait()
             if not old.ended.is_set():
                 msg = f"producer {name!r}: its previous connection did not end within {_REPLACE_TIMEOUT:g} s"
-                raise _Stranger(msg, reply=True)
+                raise Refusal(msg, reply=True)
         active = self._active[name] = _Active(anyio.CancelScope())
         try:
             with active.scope:
@@ -543,209 +487,32 @@ class SampleReceiver:
 
     async def _serve_producer(self, conn: FramedStream, hello: Hello, nonce: str) -> None:
         name = hello.producer
-        acked = self._acked.get(name, -1)
+        acked = self._intake.acked.get(name, -1)
         limit = self._max_frame_bytes
         proof = receiver_proof(
             self._token, receiver_nonce=nonce, hello=hello, acked_seq=acked, max_frame_bytes=limit
         )
-        conn.decoder.max_frame_bytes = limit
+        conn.authenticated(limit)
         conn.decoder.producer = name
         try:
             with anyio.fail_after(self._idle_timeout):
                 await conn.send(encode_frame(Welcome(acked, limit, proof)))
-        except (TimeoutError, ControlChannelError) as exc:
+        except (TimeoutError, TransportError) as exc:
             logger.info("producer %r (%s) is gone before its welcome: %s", name, conn.peer, exc)
             return
         logger.info("producer %r connected from %s; it resends from seq %d", name, conn.peer, acked + 1)
-        reason = await self._ingest(conn, name)
+        session = ProducerSession(
+            conn, name, self._intake, idle_timeout=self._idle_timeout, ack_every=self._ack_every
+        )
+        reason = await session.run()
         if reason is not None:
             self._refusals.refused(conn.peer, f"producer {name!r}: {reason}")
             await conn.send_best_effort(_refuse(reason))
 
-    async def _ingest(self, conn: FramedStream, name: str) -> str | None:
-        """Take samples until the producer leaves; why it broke the protocol, or ``None``."""
-        acks = _Acks(sent=self._acked.get(name, -1))
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._ack_soon, conn, name, acks)
-            reason = await self._read_samples(conn, name, acks)
-            tg.cancel_scope.cancel()
-        return reason
-
-    async def _read_samples(self, conn: FramedStream, name: str, acks: _Acks) -> str | None:
-        # One scope bounds every wait for the producer's next frame (its deadline set before
-        # the wait, lifted after: a put may wait long); a fail_after per frame cost ~5% here.
-        with anyio.CancelScope() as idle:
-            return await self._read_frames(conn, name, acks, idle)
-        logger.info("producer %r (%s) silent for %g s: closed", name, conn.peer, self._idle_timeout)
-        return None
-
-    async def _read_frames(
-        self, conn: FramedStream, name: str, acks: _Acks, idle: anyio.CancelScope
-    ) -> str | None:
-        since_ack = 0
-        done = False
-        while True:
-            try:
-                if conn.has_pending:  # already here: no wait to bound
-                    message = await conn.receive()
-                else:
-                    idle.deadline = anyio.current_time() + self._idle_timeout
-                    message = await conn.receive()
-                    idle.deadline = math.inf
-            except FrameError as exc:
-                return str(exc)
-            except ControlChannelError as exc:
-                level = logging.DEBUG if done else logging.INFO  # after Done, the producer just leaves
-                logger.log(level, "producer %r (%s) is gone: %s", name, conn.peer, exc)
-                return None
-            if message is None:
-                logger.debug("producer %r (%s) closed its connection", name, conn.peer)
-                return None
-            acked = self._acked.get(name, -1)
-            if isinstance(message, SamplesFrame):
-                if done:
-                    return f"sample seq {message.first_seq} after Done"
-                if message.first_seq > acked + 1:
-                    return f"sample seq {message.first_seq} leaves a gap: the receiver holds up to {acked}"
-                held = acked + 1 - message.first_seq  # resent samples the receiver holds: dropped
-                if held > 0:
-                    self._duplicates += min(held, len(message.samples))
-                size, count = conn.last_frame_bytes, len(message.samples)
-                if held < count:
-                    stop, unlike = self._check_samples(name, message, max(held, 0))
-                    put = await self._put_batch(name, message, held, stop, size, acks)
-                    if put is False:
-                        return None  # the sink failed: so does the receiver
-                    if isinstance(put, str):
-                        return put
-                    if unlike is not None:  # refused for good; what came before it is acknowledged
-                        await self._ack(conn, name, acks, force=True)
-                        self._refused_producers[name] = unlike
-                        self._check_all_done()
-                        return unlike
-                since_ack += len(message.samples)
-                paused = not conn.has_pending and anyio.current_time() - acks.at >= _ACK_DELAY
-                if since_ack >= self._ack_every or paused:
-                    if not await self._ack(conn, name, acks, force=True):
-                        return None
-                    since_ack = 0
-            elif isinstance(message, Done):
-                if message.last_seq > acked:
-                    return f"Done after seq {message.last_seq}, but the receiver holds up to {acked}"
-                done = True
-                if name not in self._done:
-                    self._done.add(name)
-                    logger.info("producer %r is done (last seq %d)", name, message.last_seq)
-                    self._check_all_done()
-                if not await self._ack(conn, name, acks, done=True):
-                    return None
-                since_ack = 0
-            else:
-                return f"sent a {type(message).__name__} message after the handshake"
-
-    async def _ack_soon(self, conn: FramedStream, name: str, acks: _Acks) -> None:
-        """Acknowledge within :data:`_ACK_DELAY` of a put, when no batch or idle stream did."""
-        while True:
-            await acks.wake.wait()
-            await anyio.sleep(_ACK_DELAY)
-            acks.wake = anyio.Event()
-            if not await self._ack(conn, name, acks):
-                return
-
-    async def _ack(
-        self, conn: FramedStream, name: str, acks: _Acks, *, force: bool = False, done: bool = False
-    ) -> bool:
-        """Send Ack (or Done) with what is in the sink, unless it was said already; ``False`` if gone."""
-        async with acks.lock:
-            upto = self._acked.get(name, -1)
-            if not (force or done) and upto <= acks.sent:
-                return True
-            acks.sent, acks.at = upto, anyio.current_time()
-            message = Done(upto) if done else Ack(upto)
-            try:
-                with anyio.fail_after(self._idle_timeout):
-                    await conn.send(encode_frame(message))
-            except (TimeoutError, ControlChannelError) as exc:
-                logger.info("producer %r (%s) is gone: %s", name, conn.peer, exc)
-                return False
-            return True
-
-    def _check_samples(self, name: str, batch: SamplesFrame, start: int) -> tuple[int, str | None]:
-        """The index of the batch's first sample from ``start`` on that does not match the stream's
-        first sample (its length if none), and why it does not (``None`` if none)."""
-        if not self._uniform:
-            return len(batch.samples), None
-        signatures = batch.signatures
-        if len(signatures) != len(batch.samples):  # not decoded from bytes (made by hand)
-            signatures = tuple(signature_of(tensors) for tensors in batch.samples)
-        if self._reference is None:
-            self._reference = (name, batch.first_seq + start, signatures[start])
-        expected = self._reference[2]
-        for index in range(start, len(signatures)):
-            signature = signatures[index]
-            if signature is expected:  # the usual case: samples of one header share one object
-                continue
-            mismatch = describe_mismatch(signature, expected)
-            if mismatch is None:
-                continue
-            owner, seq = self._reference[:2]
-            reason = (
-                f"sample seq {batch.first_seq + index} does not match the stream's samples: {mismatch[1]} "
-                f"(as in its first sample, seq {seq} of producer {owner!r:.100}); refused: the samples of "
-                "a batch are stacked, so they need the same tensors, dtypes and shapes "
-                "(SampleReceiver(uniform_samples=False) takes samples that differ)"
-            )
-            return index, reason
-        return len(signatures), None
-
-    async def _put_batch(
-        self, name: str, batch: SamplesFrame, skip: int, stop: int, nbytes: int, acks: _Acks
-    ) -> bool | str:
-        """Put the batch's samples from index ``skip`` to ``stop`` into the sink, in order, and
-        count them; ``False`` if the sink failed (the receiver fails), why the producer is refused
-        if the sink is a closed buffer (the trainer takes no more samples), else ``True``.
-
-        A sink with ``try_put_many`` (a buffer) takes what it has room for in one synchronous
-        step; a sample it has no room for goes through ``put`` (which waits), then the rest again.
-        """
-        first = batch.first_seq
-        samples = [Sample(name, first + i, batch.samples[i]) for i in range(max(skip, 0), stop)]
-        share = nbytes / len(batch.samples)
-        done = 0
-        while done < len(samples):
-            started = time.perf_counter()
-            try:
-                if self._try_put_many is not None and (taken := self._try_put_many(samples[done:])):
-                    pass
-                else:
-                    await self._sink.put(samples[done])
-                    taken = 1
-            except BufferClosedError:  # the producers were declared done: this one is refused, not the run
-                key = samples[done].key
-                return (
-                    f"sample seq {key[1]} arrived after the trainer closed its buffer (its producers were "
-                    "declared done): it takes no more samples"
-                )
-            except Exception as exc:  # the sink is the owner's code: its failure ends the receiver
-                key = samples[done].key
-                error = StreamingError(f"the sink's put failed for sample {key}: {explain(exc)}")
-                error.__cause__ = exc
-                self._sup.fail(error)
-                return False
-            elapsed = time.perf_counter() - started
-            done += taken
-            self._acked[name] = samples[done - 1].seq
-            self._samples += taken
-            self._bytes += round(share * taken)
-            self._put_seconds += elapsed
-            self._max_put_seconds = max(self._max_put_seconds, elapsed)
-            acks.wake.set()  # acknowledged soon, even if the next put waits long
-        return True
-
 
 def _refuse(reason: str) -> Refuse:
     """A Refuse whose frame a producer's decoder takes (the reason cut if need be)."""
-    while len(encode_frame(Refuse(reason))) > _REFUSAL_BYTES:
+    while len(encode_frame(Refuse(reason))) > frames.PREAUTH_FRAME_BYTES - _REFUSAL_MARGIN:
         reason = reason[: len(reason) * 3 // 4] + "..."
     return Refuse(reason)
 

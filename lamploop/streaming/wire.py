@@ -1,9 +1,10 @@
 """The streaming transport's wire format: frames, strict decoding, handshake proofs, a framed stream.
 
-A frame is a 4-byte big-endian length (as on the control channel, :mod:`lamploop.control.wire`)
+A frame is a 4-byte big-endian length (the transport's frame, :mod:`lamploop.transport.frames`)
 followed by that many bytes of body.  A body is a 2-byte big-endian length, that many bytes
-of UTF-8 JSON (the *header*: an object whose ``"type"`` names the message and whose other
-fields are its attributes), then the *payload*: empty for every message but a batch of
+of UTF-8 JSON (the *header*: the transport's envelope, :mod:`lamploop.transport.envelope`, an
+object whose ``"type"`` names the message and whose other fields are its attributes), then
+the *payload*: empty for every message but a batch of
 samples, whose payload is each sample's tensors as safetensors bytes
 (:mod:`lamploop.streaming.tensor_bytes`), one after the other, each starting 8-aligned
 (zero bytes pad the previous one; the header is padded with spaces so that the payload
@@ -39,17 +40,22 @@ or receiver of another version is refused with both versions named.
 Decoding is strict: unknown types, missing or extra fields, a string where an integer
 belongs, an integer out of range, a payload on a message that has none, sizes that do not
 match the payload, tensors that do not decode are all :class:`~lamploop.errors.FrameError`;
-a :class:`FrameDecoder` also refuses a frame over its size limit at the 4-byte header
-(before buffering the body), and, on a producer's connection, a sample of another producer
-or a seq that does not increase.  The samples of a batch that share one safetensors header
+a :class:`FrameDecoder` (the transport's) also refuses a frame over its size limit at the
+4-byte header (before buffering the body), takes one frame at a time until the peer proved
+the token, and, on a producer's connection, refuses a sample of another producer or a seq
+that does not increase.  The header's fields are checked here, by hand, not by a converter:
+a batch's header is decoded for every frame, and this is the hot path of a stream.
+
+The samples of a batch that share one safetensors header
 are decoded together (a few torch calls per tensor name, not per sample).  Decoded tensors
 are views of the frame's bytes, without a copy, except in a frame of more than 8 samples and
 64 KiB, whose runs of that many are copied once each, and for samples much smaller than a
 frame of samples of several kinds (copied out): one sample kept long in a buffer holds its
 run's memory, not a whole frame's.
 
-The proofs reuse the control channel's HMAC (:func:`lamploop.control.wire.token_proof`) with
-labels of their own, so a proof of one kind is never accepted as another.
+The proofs are the transport's HMAC (:func:`lamploop.transport.proofs.token_proof`) with
+labels of their own, so a proof of one kind is never accepted as another; the handshake and
+its order of checks are the transport's (:mod:`lamploop.transport.handshake`).
 
 .. versionadded:: 0.2
 """
@@ -59,7 +65,6 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
@@ -68,9 +73,7 @@ import anyio.abc
 import attrs
 import torch
 
-from lamploop.control._framed import FramedBytes
-from lamploop.control.wire import HEADER_BYTES, is_nonce, token_proof
-from lamploop.errors import ConfigurationError, FrameError, StreamingError
+from lamploop.errors import FrameError, StreamingError
 from lamploop.streaming.tensor_bytes import (
     Signature,
     address_of,
@@ -78,6 +81,19 @@ from lamploop.streaming.tensor_bytes import (
     decode_tensors,
     decode_tensors_signed,
     encode_tensors,
+)
+from lamploop.transport import frames
+from lamploop.transport.connection import FramedConnection
+from lamploop.transport.envelope import Envelope
+from lamploop.transport.frames import HEADER_BYTES
+from lamploop.transport.handshake import Refuse
+from lamploop.transport.proofs import (
+    MAX_NAME_BYTES,
+    check_name,
+    check_token,
+    name_validator,
+    nonce_validator,
+    token_proof,
 )
 
 __all__ = [
@@ -120,10 +136,11 @@ PROTOCOL_VERSION: Final = 2
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 """Default limit on a frame's body (a batch of samples' tensors and its header): 64 MiB."""
 
-PREAUTH_FRAME_BYTES: Final = 4096
-"""The largest frame accepted before the peer proved the token (a hello is about 300 bytes)."""
+PREAUTH_FRAME_BYTES: Final = frames.PREAUTH_FRAME_BYTES
+"""The transport's limit on a frame before the peer proved the token (a hello is about 300 bytes),
+as it was when this module was imported: the least ``max_frame_bytes`` of a Welcome."""
 
-MAX_PRODUCER_NAME_BYTES: Final = 200
+MAX_PRODUCER_NAME_BYTES: Final = MAX_NAME_BYTES
 """A producer's name is 1 to 200 bytes of UTF-8, without control characters."""
 
 MAX_SEQ: Final = 2**63 - 1
@@ -132,7 +149,6 @@ MAX_SEQ: Final = 2**63 - 1
 MAX_SAMPLES_PER_FRAME: Final = 4096
 """The most samples one ``"samples"`` frame carries (its header lists their sizes)."""
 
-_FRAME_HEADER = struct.Struct(">I")
 _JSON_HEADER = struct.Struct(">H")
 _PROOF_CHARS = 128
 _ALIGN = 8
@@ -148,30 +164,11 @@ frame when it holds at most 8 samples or 64 KiB, else views of copies of runs of
 
 
 def check_producer_name(value: object) -> str | None:
-    """Why ``value`` cannot name a producer, or ``None`` if it can."""
-    if not isinstance(value, str):
-        return f"a producer's name is a str, got {type(value).__name__}"
-    size = len(value.encode())
-    if not 1 <= size <= MAX_PRODUCER_NAME_BYTES:
-        return f"a producer's name is 1 to {MAX_PRODUCER_NAME_BYTES} bytes of UTF-8, got {size} bytes"
-    if not value.isprintable():
-        return f"a producer's name has no control characters, got {value!r:.80}"
-    return None
+    """Why ``value`` cannot name a producer, or ``None`` if it can (the transport's :func:`check_name`)."""
+    return check_name(value, "producer")
 
 
-def check_token(token: object) -> bytes:
-    """The shared token as bytes; raises ConfigurationError unless a non-empty str or bytes."""
-    raw = token.encode() if isinstance(token, str) else token
-    if not isinstance(raw, bytes) or not raw:
-        msg = f"token must be a non-empty str or bytes, got {type(token).__name__}"
-        raise ConfigurationError(msg)
-    return raw
-
-
-def _name(_instance: object, _attribute: object, value: str) -> None:
-    reason = check_producer_name(value)
-    if reason is not None:
-        raise ValueError(reason)
+_name = name_validator("producer")
 
 
 def _seq(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -183,12 +180,6 @@ def _seq(_instance: object, attribute: attrs.Attribute[int], value: int) -> None
 def _seq_or_none(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not -1 <= value <= MAX_SEQ:
         msg = f"{attribute.name} must be in [-1, 2**63-1] (-1: none), got {value}"
-        raise ValueError(msg)
-
-
-def _nonce(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not is_nonce(value):
-        msg = f"{attribute.name} must be 64 lowercase hex digits, got {value!r:.80}"
         raise ValueError(msg)
 
 
@@ -230,7 +221,7 @@ class Challenge:
     """Receiver → producer, first frame on every connection: its protocol version and nonce."""
 
     protocol_version: int
-    nonce: str = attrs.field(validator=_nonce)
+    nonce: str = attrs.field(validator=nonce_validator)
 
 
 @attrs.frozen
@@ -242,7 +233,7 @@ class Hello:
 
     protocol_version: int
     producer: str = attrs.field(validator=_name)
-    nonce: str = attrs.field(validator=_nonce)
+    nonce: str = attrs.field(validator=nonce_validator)
     proof: str = attrs.field(validator=_short)
 
 
@@ -270,13 +261,6 @@ class Redirect:
     host: str = attrs.field(validator=_host)
     port: int = attrs.field(validator=_port)
     proof: str = attrs.field(validator=_short)
-
-
-@attrs.frozen
-class Refuse:
-    """Receiver → producer: not accepted, or a bad frame, and why; the receiver closes after it."""
-
-    reason: str
 
 
 @attrs.frozen
@@ -333,7 +317,8 @@ _TAGS: Final[dict[type[Any], str]] = {
     Ack: "ack",
     Done: "done",
 }
-_TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in _TAGS.items()}
+ENVELOPE: Final = Envelope("streaming", _TAGS, part="header")
+"""The streaming messages' headers as the transport's tagged JSON (fields checked here, by hand)."""
 _JSON_TYPES: Final = {"int": int, "str": str}
 # The header fields of each message and their JSON types (a batch's samples are its payload,
 # described by the header's "sizes").
@@ -350,7 +335,7 @@ _FIELDS[SamplesFrame]["sizes"] = list
 
 
 def _header(tag: str, fields: dict[str, Any], *, align: bool = False) -> bytes:
-    header = json.dumps({"type": tag, **fields}, sort_keys=True, separators=(",", ":")).encode()
+    header = ENVELOPE.dump({"type": tag, **fields})
     if align:  # JSON may end with spaces: they put the payload at an 8-aligned offset in the body
         header += b" " * (-(_JSON_HEADER.size + len(header)) % _ALIGN)
     if len(header) > 0xFFFF:
@@ -360,11 +345,7 @@ def _header(tag: str, fields: dict[str, Any], *, align: bool = False) -> bytes:
 
 
 def _frame(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> bytes:
-    length = sum(len(part) for part in body_parts)
-    if length > max_frame_bytes:
-        msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
-        raise FrameError(msg)
-    return b"".join((_FRAME_HEADER.pack(length), *body_parts))
+    return frames.frame(body_parts, what, max_frame_bytes)
 
 
 def samples_frame_bytes(producer: str, first_seq: int, sizes: Sequence[int]) -> int:
@@ -421,17 +402,8 @@ def encode_frame(message: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
     if isinstance(message, SamplesFrame):
         payloads = [encode_tensors(tensors) for tensors in message.samples]
         return samples_frame(message.producer, message.first_seq, payloads, max_frame_bytes=max_frame_bytes)
-    tag = _TAGS.get(type(message))
-    if tag is None:
-        msg = f"cannot encode {type(message).__name__!r}: not a streaming message"
-        raise FrameError(msg)
-    header = _header(tag, attrs.asdict(message))
+    header = _header(ENVELOPE.tag_of(message), attrs.asdict(message))
     return _frame((header,), type(message).__name__, max_frame_bytes)
-
-
-def _reject_constant(name: str) -> Any:
-    msg = f"{name} is not valid JSON"
-    raise ValueError(msg)
 
 
 def decode_body(body: bytes | bytearray) -> Message:
@@ -455,19 +427,7 @@ def decode_body(body: bytes | bytearray) -> Message:
     if end > len(body):
         msg = f"a frame's header announces {length} bytes, but the body has only {len(body) - 2}"
         raise FrameError(msg)
-    try:
-        obj = json.loads(bytes(body[_JSON_HEADER.size : end]).decode(), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        msg = f"the frame header is not UTF-8 JSON: {exc}"
-        raise FrameError(msg) from exc
-    if not isinstance(obj, dict):
-        msg = f"the frame header is a JSON {type(obj).__name__}, not an object"
-        raise FrameError(msg)
-    tag = obj.pop("type", None)
-    cls = _TYPES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        msg = f"unknown message type {tag!r:.60}"
-        raise FrameError(msg)
+    cls, tag, obj = ENVELOPE.parse(body[_JSON_HEADER.size : end])
     fields = _FIELDS[cls]
     if set(obj) != set(fields):
         missing, extra = sorted(set(fields) - set(obj)), sorted(set(obj) - set(fields))
@@ -538,92 +498,27 @@ def _decode_samples(
     return samples, signatures
 
 
-class FrameDecoder:
-    """Splits a byte stream into messages; feed it whatever the socket returned.
+class FrameDecoder(frames.FrameDecoder[tuple[Message, int]]):
+    """Splits a byte stream into messages, each with its frame's size: the transport's decoder
+    (:mod:`lamploop.transport.frames`) of streaming frames; feed it whatever the socket returned.
 
-    The frame's announced length is checked against ``max_frame_bytes`` as soon as the
-    4-byte header is complete, so an oversized frame is refused before its body is
-    buffered.  Each body is gathered into a ``bytearray`` of its own (one copy of the
-    received bytes), which the samples' tensors then view.  Once :attr:`producer` is set
-    (after the handshake), every batch must name it, and seqs must increase along the
-    connection.  After a :class:`FrameError` every later :meth:`feed` raises again: the
-    stream cannot be resynchronised.
+    Each body is gathered into a ``bytearray`` of its own (one copy of the received bytes),
+    which the samples' tensors then view.  Once :attr:`producer` is set (after the
+    handshake), every batch must name it, and seqs must increase along the connection.
     """
 
-    def __init__(self, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-        if max_frame_bytes < 1:
-            msg = f"max_frame_bytes must be positive, got {max_frame_bytes}"
-            raise ValueError(msg)
-        self.max_frame_bytes = max_frame_bytes
+    def __init__(
+        self, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, one_at_a_time: bool = False
+    ) -> None:
+        super().__init__(max_frame_bytes=max_frame_bytes, one_at_a_time=one_at_a_time)
         self.producer: str | None = None
         self.last_seq: int | None = None
-        self._chunks: deque[memoryview] = deque()
-        self._size = 0  # bytes in _chunks
-        self._body: int | None = None  # the length of the body awaited, once its prefix is read
-        self._error: FrameError | None = None
 
-    @property
-    def buffered(self) -> int:
-        """How many bytes of an incomplete frame wait for the rest."""
-        return self._size + (HEADER_BYTES if self._body is not None else 0)
-
-    def _take(self, count: int) -> bytearray:
-        """The next ``count`` bytes of the chunks, in a bytearray of their own (copied once,
-        without zeroing it first)."""
-        parts: list[memoryview] = []
-        needed = count
-        chunks = self._chunks
-        while needed:
-            chunk = chunks[0]
-            if len(chunk) <= needed:
-                parts.append(chunks.popleft())
-                needed -= len(chunk)
-            else:
-                parts.append(chunk[:needed])
-                chunks[0] = chunk[needed:]
-                needed = 0
-        self._size -= count
-        return bytearray().join(parts) if len(parts) > 1 else bytearray(parts[0])
-
-    def feed(self, data: bytes) -> list[tuple[Message, int]]:
-        """Add ``data``; return each message it completes with its frame's size, in order.
-
-        Raises:
-            FrameError: a header announces more than ``max_frame_bytes``, a body does not
-                decode (see :func:`decode_body`), a batch names another producer, or its first
-                seq does not exceed the previous batch's last; also on any call after one that raised.
-        """
-        if self._error is not None:
-            msg = f"the stream is unusable after an earlier bad frame: {self._error}"
-            raise FrameError(msg)
-        if data:
-            self._chunks.append(memoryview(data))
-            self._size += len(data)
-        messages: list[tuple[Message, int]] = []
-        try:
-            while True:
-                if self._body is None:
-                    if self._size < HEADER_BYTES:
-                        break
-                    (length,) = _FRAME_HEADER.unpack(self._take(HEADER_BYTES))
-                    if length > self.max_frame_bytes:
-                        limit = self.max_frame_bytes
-                        msg = f"a frame announces {length} bytes, over the limit of {limit} bytes"
-                        raise FrameError(msg)
-                    self._body = length
-                if self._size < self._body:
-                    break
-                length, self._body = self._body, None
-                message = decode_body(self._take(length))
-                if isinstance(message, SamplesFrame):
-                    self._check_order(message)
-                messages.append((message, HEADER_BYTES + length))
-        except FrameError as exc:
-            self._error = exc
-            self._chunks.clear()
-            self._size, self._body = 0, None
-            raise
-        return messages
+    def decode_body(self, body: bytearray) -> tuple[Message, int]:
+        message = decode_body(body)
+        if isinstance(message, SamplesFrame):
+            self._check_order(message)
+        return message, HEADER_BYTES + len(body)
 
     def _check_order(self, batch: SamplesFrame) -> None:
         if self.producer is not None and batch.producer != self.producer:
@@ -642,7 +537,7 @@ def _transcript(hello: Hello) -> bytes:
     """The canonical JSON of every field of ``hello`` but its proof."""
     fields = attrs.asdict(hello)
     del fields["proof"]
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return ENVELOPE.dump(fields)
 
 
 def producer_proof(token: bytes, *, receiver_nonce: str, hello: Hello) -> str:
@@ -681,15 +576,25 @@ def redirect_proof(token: bytes, *, receiver_nonce: str, hello: Hello, host: str
 # -- I/O --
 
 
-class FramedStream(FramedBytes[tuple[Message, int]]):
-    """A byte stream that sends frames and receives whole messages.
+class FramedStream(FramedConnection[tuple[Message, int]]):
+    """The transport's framed connection over streaming frames: frames out, whole messages in.
 
+    ``max_frame_bytes`` is the limit on received frames to begin with; with ``one_at_a_time``
+    (until the peer proved the token) one frame is decoded per read, and
+    :meth:`~lamploop.transport.connection.FramedConnection.authenticated` lifts both.
     Transport errors become :class:`~lamploop.errors.StreamingError`; a bad frame raises
     :class:`~lamploop.errors.FrameError`.  The callers bound the time of every call.
     """
 
-    def __init__(self, stream: anyio.abc.ByteStream, *, max_frame_bytes: int, peer: str | None = None):
-        decoder = FrameDecoder(max_frame_bytes=max_frame_bytes)
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        *,
+        max_frame_bytes: int,
+        peer: str | None = None,
+        one_at_a_time: bool = False,
+    ):
+        decoder = FrameDecoder(max_frame_bytes=max_frame_bytes, one_at_a_time=one_at_a_time)
         super().__init__(stream, decoder, peer=peer, error=StreamingError)
         self.decoder: FrameDecoder = decoder
         self.last_frame_bytes = 0
@@ -699,7 +604,7 @@ class FramedStream(FramedBytes[tuple[Message, int]]):
         await self.send_bytes(data)
 
     async def receive(self) -> Message | None:
-        """The next message, or ``None`` at a clean end of stream; raises ControlChannelError / FrameError."""
+        """The next message, or ``None`` at a clean end of stream; raises StreamingError / FrameError."""
         item = await self.receive_item()
         if item is None:
             return None

@@ -1,17 +1,20 @@
-"""Failure bookkeeping of a TCP control channel's end: background failures surface where the owner waits.
+"""Failure bookkeeping of a protocol's end: background failures surface where the owner waits.
 
-Both :class:`~lamploop.control.tcp_root.TcpControlRoot` and
-:class:`~lamploop.control.tcp_follower.TcpControlFollower` run their connections in a
-:class:`Supervisor`'s task group.  The tasks never raise: they report a
-:class:`~lamploop.errors.ControlChannelError` to :meth:`Supervisor.fail`, and the supervisor
+The control root and follower, the sample receiver and the producer run their connections
+in a :class:`Supervisor`'s task group.  The tasks never raise: they report a
+:class:`~lamploop.errors.TransportError` to :meth:`Supervisor.fail`, and the supervisor
 decides where it surfaces (see the class).
 
-A peer that failed with an error every rank detects itself (a NaN loss...: see
+On the control channel, a peer that failed with an error every rank detects itself (a NaN loss...: see
 :mod:`lamploop.errors`) says so in its Abort.  Its failure is then *expected alike*: the
 owner's body is given :data:`OWN_VERDICT_GRACE_S` to end with its own error, which wins over
 the peer's abort (:meth:`Supervisor.close` raises the body's own error); only if the body is
 still running then, or asks the channel for more (a method inside :meth:`Supervisor.waiting`),
 does the peer's abort surface as usual.
+
+.. versionadded:: 0.3
+   moved here from the control channel's private modules; the Abort a control channel's
+   end sends is made by :func:`lamploop.control.connection.abort_message`.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from collections.abc import Callable, Iterator
 import anyio
 import anyio.abc
 
-from lamploop.control.wire import Abort
-from lamploop.errors import ControlChannelError, PeerLostError, error_detected_by_every_rank
+from lamploop.errors import TransportError, error_detected_by_every_rank
 
 __all__ = ["OWN_VERDICT_GRACE_S", "Supervisor"]
 
@@ -51,7 +53,7 @@ class Supervisor:
     """
 
     def __init__(self, on_failure: Callable[[], None]) -> None:
-        self.failure: ControlChannelError | None = None
+        self.failure: TransportError | None = None
         self.failure_alike = False  # the failure is a peer's error that this side detects too
         self._tg: anyio.abc.TaskGroup | None = None
         self._body: anyio.CancelScope | None = None
@@ -64,20 +66,20 @@ class Supervisor:
     def tg(self) -> anyio.abc.TaskGroup:
         if self._tg is None:
             msg = "use the control channel inside `async with`"
-            raise ControlChannelError(msg)
+            raise TransportError(msg)
         return self._tg
 
     async def enter(self) -> None:
         """Start the task group, then a cancel scope around the owner's body (left in :meth:`leave_body`)."""
         if self._tg is not None:
             msg = "a control channel can be entered only once"
-            raise ControlChannelError(msg)
+            raise TransportError(msg)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._body = anyio.CancelScope()
         self._body.__enter__()
 
-    def fail(self, error: ControlChannelError, *, alike: bool = False) -> None:
+    def fail(self, error: TransportError, *, alike: bool = False) -> None:
         """Record ``error``; the first one wins.
 
         ``alike``: a peer failed with an error that every rank detects itself (its Abort says
@@ -142,28 +144,11 @@ class Supervisor:
             return f"the {who} was cancelled"
         return f"the {who} failed: {type(exc).__name__}: {exc}"[:1000]
 
-    def abort_message(self, exc: BaseException | None, who: str, *, own_rank: int) -> Abort:
-        """The Abort to send when leaving before Stop: why, and which rank was lost if one was.
-
-        An error every rank detects itself (the owner's, or a peer's it passes on) travels with
-        ``detected_by_every_rank``, so that the peers raise their own instead of this abort.
-        A lost rank (the channel's own failure, or a :class:`PeerLostError` the owner raised)
-        travels as ``lost_rank``/``how``, so that the peers blame it and not this side.
-        """
-        reason = self.describe_exit(exc, who)
-        if error_detected_by_every_rank(exc) is not None:
-            return Abort(reason, detected_by_every_rank=True)
-        for error in (self.failure, exc):
-            if isinstance(error, PeerLostError) and error.rank is not None and error.rank != own_rank:
-                alike = error is self.failure and self.failure_alike
-                return Abort(reason, lost_rank=error.rank, how=error.how, detected_by_every_rank=alike)
-        return Abort(reason)
-
     def leave_body(self, exc: BaseException | None) -> BaseException | None:
         """Leave the body's scope; the exception still in flight (``None`` if it was our cancellation)."""
         if self._body is None:
             msg = "the control channel was not entered"
-            raise ControlChannelError(msg)
+            raise TransportError(msg)
         self._body_left = True
         self._pending = False
         if self._body.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None):

@@ -2,27 +2,26 @@
 
 :class:`Run` is what every rank of one run must agree on (the handshake compares it),
 :class:`Link` how every connection behaves.  Every check names the argument and the bad
-value and raises :class:`~lamploop.errors.ConfigurationError`; :func:`check_int` and
-:func:`check_seconds` also serve the checks that only one end has (port, rank, timeouts).
+value and raises :class:`~lamploop.errors.ConfigurationError` (the transport's checks,
+:mod:`lamploop.transport.settings`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 import attrs
 
 from lamploop.errors import ConfigurationError
 from lamploop.modelspec import ModelSpec
+from lamploop.transport.proofs import check_token
+from lamploop.transport.settings import check_int_in, check_seconds_each
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "Link",
     "Run",
-    "check_int",
-    "check_seconds",
 ]
 
 _MIN_FRAME_BYTES = 1024
@@ -63,17 +62,13 @@ class Run:
         Raises:
             ConfigurationError: an argument is out of range (names it).
         """
-        check_int("nranks", nranks, 1)
+        check_int_in("nranks", nranks, 1)
         if not isinstance(model_spec, ModelSpec):
             msg = (
                 f"model_spec must be a ModelSpec (from lamploop.model_spec), got {type(model_spec).__name__}"
             )
             raise ConfigurationError(msg)
-        raw = token.encode() if isinstance(token, str) else token
-        if not isinstance(raw, bytes) or not raw:
-            msg = f"token must be a non-empty str or bytes, got {type(token).__name__}"
-            raise ConfigurationError(msg)
-        return cls(nranks, raw, model_spec)
+        return cls(nranks, check_token(token), model_spec)
 
 
 @attrs.frozen
@@ -97,27 +92,12 @@ class Link:
         Raises:
             ConfigurationError: an argument is out of range (names it).
         """
-        check_seconds(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
+        check_seconds_each(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
         if heartbeat_timeout <= heartbeat_interval:
             msg = (
                 f"heartbeat_timeout={heartbeat_timeout!r} must exceed "
                 f"heartbeat_interval={heartbeat_interval!r}"
             )
             raise ConfigurationError(msg)
-        check_int("max_frame_bytes", max_frame_bytes, _MIN_FRAME_BYTES)
+        check_int_in("max_frame_bytes", max_frame_bytes, _MIN_FRAME_BYTES)
         return cls(heartbeat_interval, heartbeat_timeout, max_frame_bytes)
-
-
-def check_seconds(**values: float) -> None:
-    """Each value is a positive, finite number of seconds; raises ConfigurationError naming the first not."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            msg = f"{name} must be a positive number of seconds, got {value!r}"
-            raise ConfigurationError(msg)
-
-
-def check_int(name: str, value: int, low: int, high: float = math.inf) -> None:
-    """``value`` is an integer (not a bool) in ``[low, high]``; raises ConfigurationError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        msg = f"{name} must be an integer in [{low}, {high}], got {value!r}"
-        raise ConfigurationError(msg)

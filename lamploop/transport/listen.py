@@ -1,13 +1,16 @@
-"""The accept loop of an authenticated TCP server: the control root's and the sample receiver's.
+"""The accept loop of an authenticated TCP server: the control root's, a receiver's, the aggregator's.
 
-Both speak first (a challenge with a nonce), so they share how a connection is taken in:
+All three speak first (a challenge with a nonce), so they share how a connection is taken in:
 :func:`serve_tcp` listens on every address family of the host and accepts on the raw
 sockets, which costs microseconds; a peer whose bytes (or hang-up) are already there when
-its connection is accepted is no client of ours (:func:`~lamploop.control._strangers.spoke_first`)
+its connection is accepted is no client of ours (:func:`~lamploop.transport.strangers.spoke_first`)
 and is closed and counted at once, without a stream or a task.  Under TLS the client speaks
 first, so that check is skipped.  Every other connection becomes a socket stream (with
 ``TCP_NODELAY``: the small control frames and acknowledgements go at once) handed to
 ``on_connection``, which starts the server's own handshake.
+
+.. versionadded:: 0.3
+   moved here from the control channel's private modules.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
-from lamploop.control._connection import address_text
-from lamploop.control._strangers import RefusalLog, spoke_first
+from lamploop.transport.connection import address_text
+from lamploop.transport.strangers import RefusalLog, spoke_first
 
 __all__ = ["serve_tcp"]
 

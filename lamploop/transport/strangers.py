@@ -1,4 +1,6 @@
-"""Keeping strangers in check on the root's port: bounded handshakes and rate-limited refusal logs.
+"""Keeping strangers in check on a server's port: bounded handshakes and rate-limited refusal logs.
+
+The servers are the control root, a sample receiver and the aggregator.
 
 A flood of connections that never prove the token must not starve a real follower's join,
 exhaust file descriptors or fill the log.  :class:`PendingHandshakes` bounds the
@@ -7,11 +9,14 @@ answers the challenge within milliseconds, so it is never the oldest for long), 
 queueing newcomers behind silent strangers.  :class:`RefusalLog` writes at most a few
 warnings per window and then one line saying how many more were refused.
 
-The cheapest refusal comes first: the root speaks first (its challenge), so a peer whose
-bytes, or whose hang-up, are already there when the connection is accepted is not a
-lamploop follower.  :func:`spoke_first` finds those with one non-blocking peek on the raw
-socket, and the root closes them without starting a handshake, which under a flood of
+The cheapest refusal comes first: the server speaks first (its challenge), so a peer whose
+bytes, or whose hang-up, are already there when the connection is accepted is not one of
+its clients.  :func:`spoke_first` finds those with one non-blocking peek on the raw
+socket, and the server closes them without starting a handshake, which under a flood of
 strangers is most of them.
+
+.. versionadded:: 0.3
+   moved here from the control channel's private modules.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from contextlib import contextmanager
 
 import anyio
 
-__all__ = ["PendingHandshakes", "RefusalLog", "spoke_first"]
+__all__ = ["REFUSALS_LOGGER", "PendingHandshakes", "RefusalLog", "spoke_first"]
 
-logger = logging.getLogger("lamploop.control")
+REFUSALS_LOGGER = "lamploop.control"
+"""The logger of refusals, by default: the control root's, where they were first logged."""
 
 
 def spoke_first(sock: socket.socket) -> bool:
@@ -69,12 +75,20 @@ class PendingHandshakes:
 class RefusalLog:
     """Logs refused strangers, at most ``burst`` lines per ``window`` seconds; remembers the last few.
 
-    ``who`` names the refusing side in the log lines (the control root, a sample receiver).
+    ``who`` names the refusing side in the log lines (the control root, a sample receiver);
+    ``logger`` is where they go (default :data:`REFUSALS_LOGGER`).
     """
 
     def __init__(
-        self, *, burst: int = 10, window: float = 10.0, remember: int = 16, who: str = "control root"
+        self,
+        *,
+        burst: int = 10,
+        window: float = 10.0,
+        remember: int = 16,
+        who: str = "control root",
+        logger: str = REFUSALS_LOGGER,
     ) -> None:
+        self._logger = logging.getLogger(logger)
         self._who = who
         self._burst = burst
         self._window = window
@@ -93,14 +107,14 @@ class RefusalLog:
             self._window_start, self._logged = now, 0
         if self._logged < self._burst:
             self._logged += 1
-            logger.warning("%s refused %s: %s", self._who, peer, reason)
+            self._logger.warning("%s refused %s: %s", self._who, peer, reason)
         else:
             self._suppressed += 1
 
     def flush(self) -> None:
         """Log how many refusals went unlogged since the last line, if any."""
         if self._suppressed:
-            logger.warning(
+            self._logger.warning(
                 "%s refused %d more connections in the last %g s (logged %d per %g s)",
                 self._who,
                 self._suppressed,

@@ -17,8 +17,8 @@ import anyio
 import anyio.abc
 from anyio.streams.tls import TLSStream
 
-from lamploop.control._connection import explain, remote
-from lamploop.errors import ConfigurationError, ControlChannelError
+from lamploop.errors import ConfigurationError, TransportError
+from lamploop.transport.connection import explain, remote
 
 __all__ = ["check_context", "wrap"]
 
@@ -44,7 +44,7 @@ async def wrap(
     """The TLS stream over ``stream`` once the TLS handshake is done; the caller bounds the time.
 
     Raises:
-        ControlChannelError: the TLS handshake failed (a certificate not trusted, a peer that
+        TransportError: the TLS handshake failed (a certificate not trusted, a peer that
             does not speak TLS, a hang-up); the message says why.
     """
     try:
@@ -57,4 +57,4 @@ async def wrap(
         )
     except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:  # ssl.SSLError is an OSError
         msg = f"the TLS handshake with {remote(stream)} failed: {explain(exc)}"
-        raise ControlChannelError(msg) from exc
+        raise TransportError(msg) from exc

@@ -1,0 +1,603 @@
+"""The asynchronous producer: numbered samples to a trainer's receiver, resent until acknowledged.
+
+:class:`AsyncProducer` keeps the samples it is given in its :class:`~lamploop.streaming.outbox.Outbox`
+(numbering and resend window, without I/O) and holds the caller back while the window is
+full; in the background it connects (with backoff, following a receiver's redirect), runs the
+producer's side of the transport's handshake (:mod:`lamploop.transport.handshake`), and
+sends and resends on each connection.  :mod:`lamploop.streaming.producer` describes the
+producers as a whole.
+
+.. versionadded:: 0.3
+   split from :mod:`lamploop.streaming.producer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
+import attrs
+import torch
+
+from lamploop.errors import (
+    ConfigurationError,
+    StreamingError,
+    TransportError,
+)
+from lamploop.streaming.outbox import Outbox
+from lamploop.streaming.producer_handshake import ConnectionLost, Redirected, connect, greet
+from lamploop.streaming.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_SEQ,
+    PREAUTH_FRAME_BYTES,
+    Ack,
+    Done,
+    FramedStream,
+    Refuse,
+    Welcome,
+    check_producer_name,
+    encode_frame,
+    encode_tensors,
+)
+from lamploop.transport import frames, tls
+from lamploop.transport.connection import explain
+from lamploop.transport.proofs import check_token
+from lamploop.transport.settings import check_int_in, check_seconds_each
+from lamploop.transport.supervisor import Supervisor
+
+__all__ = ["HANDOVER_BYTES", "HANDOVER_SAMPLES", "AsyncProducer", "ProducerStats"]
+
+logger = logging.getLogger("lamploop.streaming")
+
+HANDOVER_SAMPLES = 64
+HANDOVER_BYTES = 1024 * 1024
+"""Samples are handed to the producer a chunk at a time: 64 samples or 1 MiB
+(:meth:`AsyncProducer.send_many`, and a :class:`~lamploop.streaming.producer.BlockingProducer`'s
+caller's thread)."""
+_FIRST_BACKOFF, _MAX_BACKOFF = 0.05, 1.0
+
+
+@attrs.frozen
+class ProducerStats:
+    """What a producer did so far.
+
+    Attributes:
+        sent: sample frames sent for the first time.
+        resent: sample frames sent again after a reconnection.
+        skipped: samples not sent because the receiver already held them (a restarted producer).
+        connections: connections made (the first, then one per reconnection).
+    """
+
+    sent: int
+    resent: int
+    skipped: int
+    connections: int
+
+
+class _Signal:
+    """Wakes up every task waiting for "something changed" (one event loop, no lock needed)."""
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None  # made by the first waiter: notify() is per sample
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
+@attrs.define
+class _Session:
+    """One connection's progress: the highest seq sent on it, whether Done was sent."""
+
+    sent: int
+    done_sent: bool = False
+
+
+class AsyncProducer:
+    """Streams samples to a :class:`~lamploop.streaming.receiver.SampleReceiver`; an async context manager.
+
+    ``async with AsyncProducer(receiver_address, name="sim-3", token=...) as producer:`` then
+    ``await producer.send({"x": x, "y": y})`` for each sample and ``await producer.done()``
+    at the end (leaving the block normally calls it too).  The connection is made in the
+    background, and made again when it drops.  A failure that cannot be retried (a wrong
+    token, a receiver that refuses this producer, one unreachable for ``reconnect_timeout``)
+    is raised by the :meth:`send` or :meth:`done` that waits, or else cancels the block's
+    body and is raised when it ends.
+
+    Args:
+        address: the receiver's ``(host, port)`` (:attr:`SampleReceiver.address`).
+        name: this producer's name, unique among the run's producers (1 to 200 bytes).
+        token: the secret shared with the receiver.
+        resend_window: unacknowledged samples kept for resending; :meth:`send` waits while
+            this many are unacknowledged (back-pressure: the receiver's sink is full).
+        keep_acknowledged: acknowledged samples also kept (the last ones), so that a receiver
+            restored from a checkpoint older than its acknowledgements gets them again.
+        start_seq: the first sample's seq: 0, or for a restarted producer the first seq not
+            acknowledged before (0 works too: what the receiver holds is skipped).
+        max_frame_bytes: the largest frame sent (a sample's tensors plus about 100 bytes).
+        reconnect_timeout: seconds to keep trying to reach the receiver before failing.
+        handshake_timeout: seconds the receiver may take to answer, once connected.
+        ack_timeout: a connection on which sent samples wait this long without any
+            acknowledgement is dropped and made again.
+        ssl_context: TLS (a client context trusting the receiver's certificate); ``None``: no TLS.
+
+    Raises:
+        ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        name: str,
+        token: bytes | str,
+        resend_window: int = 64,
+        keep_acknowledged: int = 0,
+        start_seq: int = 0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        reconnect_timeout: float = 300.0,
+        handshake_timeout: float = 10.0,
+        ack_timeout: float = 300.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        reason = check_producer_name(name)
+        if reason is not None:
+            raise ConfigurationError(f"name: {reason}")
+        if not (isinstance(address, tuple) and len(address) == 2 and isinstance(address[0], str)):
+            msg = f"address must be a (host, port) tuple, got {address!r:.80}"
+            raise ConfigurationError(msg)
+        check_int_in("port", address[1], 1, 65535)
+        self._token = check_token(token)
+        check_int_in("resend_window", resend_window, 1)
+        check_int_in("keep_acknowledged", keep_acknowledged, 0)
+        check_int_in("start_seq", start_seq, 0, MAX_SEQ)
+        check_int_in("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
+        check_seconds_each(
+            reconnect_timeout=reconnect_timeout, handshake_timeout=handshake_timeout, ack_timeout=ack_timeout
+        )
+        self.name = name
+        self._root = address  # the one address known; redirects lead elsewhere
+        self._host, self._port = address  # where the next connection goes
+        # The numbering and the resend window (no I/O): what is kept, sent, acknowledged.
+        self._outbox = Outbox(
+            name,
+            window=resend_window,
+            keep_acknowledged=keep_acknowledged,
+            start_seq=start_seq,
+            max_frame_bytes=max_frame_bytes,
+        )
+        self._max_frame_bytes = max_frame_bytes
+        self._reconnect_timeout = reconnect_timeout
+        self._handshake_timeout = handshake_timeout
+        self._ack_timeout = ack_timeout
+        self._tls = tls.check_context("ssl_context", ssl_context, server_side=False)
+        self._sup = Supervisor(on_failure=self._wake_up)
+        self._changed = _Signal()
+        self._send_lock = anyio.Lock()
+        self._queued = 0  # senders waiting for room in the window
+        self._entered = self._closed = False
+        self._done_requested = self._finished = False
+        self._connections = 0
+        self._writer_idle = False  # the writer waits for samples
+
+    # -- what the owner reads --
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next sample gets."""
+        return self._outbox.next_seq
+
+    @property
+    def acknowledged_seq(self) -> int:
+        """The highest seq the receiver holds with every one before it (as far as this producer knows)."""
+        return self._outbox.acked
+
+    @property
+    def unacknowledged(self) -> int:
+        """Samples kept until the receiver acknowledges them."""
+        return self._outbox.unacknowledged
+
+    @property
+    def stats(self) -> ProducerStats:
+        """What was sent so far."""
+        box = self._outbox
+        return ProducerStats(box.sent, box.resent, box.skipped, self._connections)
+
+    @property
+    def receiver_address(self) -> tuple[str, int]:
+        """Where the producer connects now: the address it was given, or the one a redirect named."""
+        return (self._host, self._port)
+
+    @property
+    def _receiver(self) -> str:
+        return f"the receiver at {self._host}:{self._port}"
+
+    # -- sending --
+
+    async def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Queue one sample (its named tensors) for the receiver; its seq.
+
+        Returns once the sample is kept for sending: waits while ``resend_window`` samples
+        are unacknowledged.  The tensors are copied (encoded) before it returns.  It yields to
+        other tasks (and can be cancelled, taking nothing) when it waits, and when a frame's
+        worth of samples (256 KiB and 32 samples, or half of ``resend_window``) waits for
+        the connection's writer while that writer is idle; the samples in between are kept
+        without a task switch (while the writer sends, at most ``resend_window`` of them).
+
+        Raises:
+            TypeError, ValueError: ``tensors`` is not a non-empty mapping of str to tensors.
+            FrameError: the sample's frame would be over ``max_frame_bytes``.
+            StreamingError: the producer failed (see the class), is done, or is not entered.
+        """
+        return await self._submit(encode_tensors(tensors))
+
+    async def _submit(self, payload: bytes, expected_seq: int | None = None) -> int:
+        """Keep ``payload`` as the next seq's sample once the window has room; the seq."""
+        self._check_open("send()")
+        # Kept without switching tasks, so that samples sent in a row leave in one frame when
+        # the caller next waits; but once a frame's worth (or half the window) waits for an idle
+        # writer, the writer gets its turn first, so that the receiver takes a batch while the
+        # caller makes the next one, instead of both waiting in turn for a full window.  Only
+        # then is send() a checkpoint (a cancellation point): anyio's checkpoints cost more than
+        # the rest of a send (and while the writer sends, yielding to it would gain nothing).
+        if self._queued == 0 and self._outbox.has_room() and self._writer_due():
+            await anyio.lowlevel.checkpoint()  # cancelled here, the sample is not taken
+            self._check_open("send()")
+        if self._queued == 0 and self._outbox.has_room():
+            return self._keep(payload, expected_seq)
+        self._queued += 1  # no sender overtakes this one by the path above
+        try:
+            async with self._send_lock:
+                with self._sup.waiting():
+                    while not self._outbox.has_room():
+                        self._sup.raise_failure()
+                        await self._changed.wait()
+                self._check_open("send()")
+                return self._keep(payload, expected_seq)
+        finally:
+            self._queued -= 1
+
+    async def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
+        """:meth:`send` each of ``samples`` (each a mapping of names to tensors), in order; their seqs.
+
+        The same as a loop of :meth:`send` (the same waits and errors), with fewer task switches:
+        the samples are encoded and kept a chunk at a time (64 samples or 1 MiB).  Cancelled or
+        failing part of the way, it has kept the samples before the one it stopped at
+        (:attr:`next_seq` tells how many).
+        """
+        seqs: list[int] = []
+        chunk: list[bytes] = []
+        size = 0
+        for tensors in samples:
+            self._check_open("send()")
+            payload = encode_tensors(tensors)
+            self._outbox.check_size(self._outbox.next_seq, payload)
+            chunk.append(payload)
+            size += len(payload)
+            if len(chunk) >= HANDOVER_SAMPLES or size >= HANDOVER_BYTES:
+                first = await self._submit_many(chunk)
+                seqs.extend(range(first, first + len(chunk)))
+                chunk, size = [], 0
+        if chunk:
+            first = await self._submit_many(chunk)
+            seqs.extend(range(first, first + len(chunk)))
+        return seqs
+
+    async def _submit_many(
+        self,
+        payloads: Sequence[bytes],
+        first_seq: int | None = None,
+        on_kept: Callable[[int], None] | None = None,
+    ) -> int:
+        """Keep ``payloads`` (their sizes checked: :meth:`Outbox.check_size`) as the next seqs, in order,
+        each once the window has room; the first one's seq.
+
+        What fits is kept at once, without switching tasks (but an idle writer gets its turn once
+        a frame's worth waits); ``on_kept(n)`` is told after each run of ``n`` kept.  Cancelled
+        while waiting, the samples not kept yet are not taken.
+        """
+        self._check_open("send()")
+        index = 0
+        self._queued += 1  # no sender overtakes these by _submit's path
+        try:
+            async with self._send_lock:
+                box = self._outbox
+                first = box.next_seq
+                while index < len(payloads):
+                    if not box.has_room():
+                        with self._sup.waiting():
+                            while not box.has_room():
+                                self._sup.raise_failure()
+                                await self._changed.wait()
+                        self._check_open("send()")
+                    expected = None if first_seq is None else first_seq + index
+                    if box.next_seq <= box.acked:  # held by the receiver already: one by one
+                        box.keep(payloads[index], expected)
+                        stop = index + 1
+                    else:
+                        stop = min(len(payloads), index + box.window - box.unacknowledged)
+                        box.keep_run(payloads[index:stop], expected)
+                    self._changed.notify()
+                    if on_kept is not None:
+                        on_kept(stop - index)
+                    index = stop
+                    if self._writer_due():
+                        await anyio.lowlevel.checkpoint()  # the writer takes a frame
+                        self._check_open("send()")
+        finally:
+            self._queued -= 1
+        return first
+
+    def _writer_due(self) -> bool:
+        """Whether the writer waits for samples and a frame's worth waits for it (while it sends,
+        or with no connection, a sender's yielding would only cost a loop iteration per sample)."""
+        return self._writer_idle and self._outbox.frame_due()
+
+    def _keep(self, payload: bytes, expected_seq: int | None) -> int:
+        """Number the sample and keep it for the writer (:meth:`Outbox.keep`), and wake the writer."""
+        seq = self._outbox.keep(payload, expected_seq)
+        self._changed.notify()
+        return seq
+
+    async def done(self) -> None:
+        """Send Done once every sample is sent, and wait until the receiver acknowledged them all.
+
+        Raises:
+            StreamingError: the producer failed (see the class) or is not entered.
+        """
+        self._check_open("done()", after_done=True)
+        self._done_requested = True
+        self._changed.notify()
+        with self._sup.waiting():
+            while not self._finished:
+                self._sup.raise_failure()
+                await self._changed.wait()
+
+    def _check_open(self, what: str, *, after_done: bool = False) -> None:
+        self._sup.raise_failure()
+        if not self._entered or self._closed:
+            msg = f"producer {self.name!r}: {what} outside `async with`"
+            raise StreamingError(msg)
+        if self._done_requested and not after_done:
+            msg = f"producer {self.name!r}: {what} after done()"
+            raise StreamingError(msg)
+
+    def _wake_up(self) -> None:
+        self._changed.notify()
+
+    # -- life --
+
+    async def __aenter__(self) -> AsyncProducer:
+        if self._entered:
+            msg = f"producer {self.name!r} can be entered only once"
+            raise StreamingError(msg)
+        self._entered = True
+        await self._sup.enter()
+        self._sup.tg.start_soon(self._run)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        flushing: BaseException | None = None
+        if exc is None and not self._done_requested and self._sup.failure is None:
+            try:
+                await self.done()  # leaving normally: deliver everything first
+            except TransportError:
+                pass  # the supervisor's failure: close() raises it
+            except BaseException as error:  # cancelled while flushing
+                flushing = error
+        elif exc is not None and self.unacknowledged:
+            logger.warning(
+                "producer %r left with %d unacknowledged samples (from seq %d)",
+                self.name,
+                self.unacknowledged,
+                self._outbox.acked + 1,
+            )
+        self._closed = True
+        remaining = self._sup.leave_body(exc if flushing is None else flushing)
+        result = await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+        if flushing is not None:
+            raise flushing
+        return result
+
+    # -- the connection, in the background --
+
+    def _has_work(self) -> bool:
+        pending_done = self._done_requested and not self._finished
+        return self._connections == 0 or self.unacknowledged > 0 or pending_done
+
+    async def _run(self) -> None:
+        try:
+            await self._connect_forever()
+        except TransportError as exc:
+            self._sup.fail(exc)
+        except Exception as exc:  # a bug: reported like a failure, so that no send() waits on a dead task
+            error = StreamingError(f"producer {self.name!r}: its connection task failed: {explain(exc)}")
+            error.__cause__ = exc
+            self._sup.fail(error)
+
+    async def _connect_forever(self) -> None:
+        failing_since: float | None = None
+        delay = _FIRST_BACKOFF
+        attempts = 0
+        while not self._finished:
+            while not self._has_work():  # idle: connect again when there is something to send
+                await self._changed.wait()
+            try:
+                conn = await self._connect()
+                try:
+                    welcome = await self._greet(conn)
+                    self._connections += 1
+                    failing_since, attempts = None, 0
+                    progress = await self._session(conn, welcome)
+                finally:
+                    await conn.aclose()
+                # Lost after the handshake: again at once if it got somewhere, else after a pause.
+                delay = _FIRST_BACKOFF if progress else min(delay * 2, _MAX_BACKOFF)
+                if not progress and not self._finished:
+                    await anyio.sleep(delay)
+                continue
+            except Redirected as redirect:
+                if (self._host, self._port) != self._root:
+                    error = f"{self._receiver} redirected this producer again, to {redirect}"
+                    self._host, self._port = self._root
+                else:  # at the root: on to the assigned receiver at once
+                    logger.info("producer %r: redirected to %s", self.name, redirect)
+                    self._host, self._port = redirect.address
+                    continue
+            except ConnectionLost as exc:
+                error = str(exc)
+                # The assigned receiver is unreachable or gone: ask the root again (it may have
+                # restarted, with the same assignment at another address).
+                self._host, self._port = self._root
+            attempts += 1
+            now = anyio.current_time()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= self._reconnect_timeout:
+                msg = (
+                    f"producer {self.name!r} could not reach {self._receiver} for "
+                    f"{self._reconnect_timeout:g} s ({attempts} attempts; last error: {error})"
+                )
+                raise StreamingError(msg)
+            logger.debug("producer %r: %s; retrying in %g s", self.name, error, delay)
+            await anyio.sleep(min(delay, self._reconnect_timeout - (now - failing_since)))
+            delay = min(delay * 2, _MAX_BACKOFF)
+
+    async def _connect(self) -> FramedStream:
+        return await connect(
+            (self._host, self._port),
+            receiver=self._receiver,
+            handshake_timeout=self._handshake_timeout,
+            max_frame_bytes=self._max_frame_bytes,
+        )
+
+    async def _greet(self, conn: FramedStream) -> Welcome:
+        return await greet(
+            conn,
+            name=self.name,
+            token=self._token,
+            ssl_context=self._tls,
+            host=self._host,
+            receiver=self._receiver,
+            handshake_timeout=self._handshake_timeout,
+        )
+
+    async def _session(self, conn: FramedStream, welcome: Welcome) -> bool:
+        """Send and resend on one connection until it is lost or done (returns) or fails for good (raises).
+
+        Returns whether the receiver acknowledged anything new on it.
+        """
+        box = self._outbox
+        box.take_welcome(welcome.acked_seq, welcome.max_frame_bytes, receiver=self._receiver)
+        self._changed.notify()
+        acked_before = box.acked
+        # The receiver proved the token; it sends only small frames (acknowledgements).
+        conn.authenticated(frames.preauth_frame_bytes(self._max_frame_bytes))
+        logger.info("producer %r connected to %s (holds up to %d)", self.name, self._receiver, box.acked)
+        session = _Session(sent=box.acked)
+        lost: list[str] = []
+        refused: list[TransportError] = []  # raised outside the task group, unwrapped
+        async with anyio.create_task_group() as tg:
+
+            async def write() -> None:
+                try:
+                    await self._write(conn, session)
+                except ConnectionLost as exc:
+                    lost.append(str(exc))
+                except TransportError as exc:  # a sample the receiver can never take
+                    refused.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(write)
+            try:
+                await self._read(conn, session)
+            except ConnectionLost as exc:
+                lost.append(str(exc))
+            except TransportError as exc:
+                refused.append(exc)
+            tg.cancel_scope.cancel()
+        if refused:
+            raise refused[0]
+        if lost and not self._finished:
+            logger.info("producer %r: lost the connection (%s); reconnecting", self.name, lost[0])
+        return box.acked > acked_before or self._finished
+
+    async def _write(self, conn: FramedStream, session: _Session) -> None:
+        # One scope bounds every send (its deadline moved before each, lifted while idle):
+        # a fail_after per frame cost as much as a tenth of the producer's time.
+        with anyio.CancelScope() as stuck:
+            while True:
+                box = self._outbox
+                session.sent = max(session.sent, box.acked)
+                batch = box.batch(session.sent, receiver=self._receiver)
+                if batch is not None:
+                    count, frame = batch
+                    stuck.deadline = anyio.current_time() + self._ack_timeout
+                    await self._send(conn, frame)
+                    session.sent = box.record_sent(session.sent, count)
+                    continue
+                if self._done_requested and not session.done_sent and session.sent >= box.next_seq - 1:
+                    stuck.deadline = anyio.current_time() + self._ack_timeout
+                    await self._send(conn, encode_frame(Done(box.next_seq - 1)))
+                    session.done_sent = True
+                stuck.deadline = math.inf
+                self._writer_idle = True
+                try:
+                    await self._changed.wait()
+                finally:
+                    self._writer_idle = False
+        raise ConnectionLost(f"sending to {self._receiver} took over {self._ack_timeout:g} s")
+
+    async def _send(self, conn: FramedStream, data: bytes) -> None:
+        try:
+            await conn.send(data)
+        except TransportError as exc:
+            raise ConnectionLost(str(exc)) from exc
+
+    async def _read(self, conn: FramedStream, session: _Session) -> None:
+        """Read acknowledgements until the receiver answers Done; raises ConnectionLost when lost."""
+        while not self._finished:
+            message = None
+            with anyio.move_on_after(self._ack_timeout) as silence:
+                try:
+                    message = await conn.receive()
+                except TransportError as exc:  # FrameError included
+                    raise ConnectionLost(str(exc)) from exc
+            if silence.cancelled_caught:
+                if session.sent > self._outbox.acked or session.done_sent:
+                    raise ConnectionLost(f"{self._receiver} acknowledged nothing for {self._ack_timeout:g} s")
+                continue
+            if message is None:
+                raise ConnectionLost(f"{self._receiver} closed the connection")
+            if isinstance(message, Refuse):
+                msg = f"producer {self.name!r} refused by {self._receiver}: {message.reason}"
+                raise StreamingError(msg)
+            if (
+                isinstance(message, Done)
+                and session.done_sent
+                and message.last_seq >= self._outbox.next_seq - 1
+            ):
+                self._outbox.acknowledge(message.last_seq)
+                self._finished = True  # the receiver recorded our Done and holds every sample
+                self._changed.notify()
+                return
+            if not isinstance(message, Ack) or message.upto_seq > session.sent:
+                what = f"Ack({message.upto_seq})" if isinstance(message, Ack) else type(message).__name__
+                msg = f"{self._receiver} broke the protocol: it sent {what} (sent up to {session.sent})"
+                raise ConnectionLost(msg)
+            if self._outbox.acknowledge(message.upto_seq):
+                self._changed.notify()

@@ -51,7 +51,7 @@ def _flag(_instance: object, attribute: attrs.Attribute[Any], value: object) -> 
 class Profile:
     """Which training steps ``torch.profiler`` records, and where each rank's trace goes.
 
-    Args:
+    Attributes:
         out_dir: the directory of the traces (made when the first is written).  It must not
             be a file.
         wait: steps with the profiler off at the start of each window.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from lamploop.federated import (
     run_aggregator,
 )
 from lamploop.modelspec import model_spec
+from tests.support import free_port as free_port  # the one copy, for the federated tests
 
 TOKEN = "federated-test-token"
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +46,6 @@ def make_plan(**changes: Any) -> TrainingPlan:
     }
     fields.update(changes)
     return TrainingPlan(**fields)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def environment() -> dict[str, str]:

@@ -30,12 +30,13 @@ from lamploop.federated import (
     plan_to_json,
     run_aggregator,
 )
-from lamploop.federated import aggregator as aggregator_module
-from lamploop.federated import node as node_module
+from lamploop.federated import node_trainer as node_trainer_module
+from lamploop.federated import round_loop as round_loop_module
 from lamploop.federated.aggregator import finite
 from lamploop.federated.fedavg import federated_average
 from lamploop.federated.models import build_supervised_model
-from lamploop.federated.node import _Trainer, seed_round
+from lamploop.federated.node import seed_round
+from lamploop.federated.node_trainer import NodeTrainer
 from lamploop.federated.wire import decode_tensors, encode_tensors
 from tests.workers.federated_harness import TOKEN, free_port, in_process_node, make_plan
 
@@ -161,14 +162,14 @@ def test_a_node_parses_the_same_plan_once_and_any_other_plan_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parsed: list[object] = []
-    real = node_module.plan_from_json
+    real = node_trainer_module.plan_from_json
 
     def counting(obj: object, *, where: str = "plan") -> Any:
         parsed.append(obj)
         return real(obj, where=where)
 
-    monkeypatch.setattr(node_module, "plan_from_json", counting)
-    trainer = _Trainer("node-0", lambda context: None, None, None)  # type: ignore[arg-type,return-value]
+    monkeypatch.setattr(node_trainer_module, "plan_from_json", counting)
+    trainer = NodeTrainer("node-0", lambda context: None, None, None)  # type: ignore[arg-type,return-value]
     plan = make_plan()
     raw = plan_to_json(plan)
     assert trainer.read_plan(raw, 0) == (plan, plan_hash(plan))
@@ -204,13 +205,13 @@ def test_a_rounds_wall_time_runs_up_to_the_new_global_model_and_on_round_sees_ea
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     delay = 0.5
-    real = aggregator_module.federated_average
+    real = round_loop_module.federated_average
 
     def slow_average(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         time.sleep(delay)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(aggregator_module, "federated_average", slow_average)
+    monkeypatch.setattr(round_loop_module, "federated_average", slow_average)
     plan = make_plan()
     port = free_port()
     node = in_process_node(tmp_path, plan, port, "node-0", (0, 40), 40)

@@ -32,6 +32,8 @@ synchronous collective, a long CPU step) in a worker thread, or they stop.
 This module is the public entry point; the work is done in modules of one job each:
 
 - :mod:`lamploop.control.tcp_root` -- :class:`TcpControlRoot`: listen, admit, broadcast;
+- :mod:`lamploop.control.root_admission` -- who gets in: the root's handshake with each
+  connection, strangers and followers that do not fit refused;
 - :mod:`lamploop.control.tcp_follower` -- :class:`TcpControlFollower`: connect with backoff,
   join, the commands iterator;
 - :mod:`lamploop.control.handshake` -- both sides of the handshake above, and what makes a

@@ -1,6 +1,7 @@
 """The root's end of the TCP control channel: listen, admit followers, send them the rendezvous and commands.
 
-:class:`TcpControlRoot` accepts connections, runs the handshake of
+:class:`TcpControlRoot` accepts connections, has
+:class:`~lamploop.control.root_admission.FollowerAdmission` run the handshake of
 :mod:`lamploop.control.handshake` on each (refusing strangers, and failing the run for a
 follower that proves the token but does not fit), keeps a heartbeat with every follower
 that joined, and broadcasts.  How its failures surface is :mod:`lamploop.transport.supervisor`'s
@@ -22,15 +23,13 @@ from anyio.abc import TaskStatus
 
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.connection import Connection, Gone, abort_message
-from lamploop.control.handshake import authenticate_follower, mismatch
+from lamploop.control.root_admission import FollowerAdmission
 from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
 from lamploop.control.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     Abort,
     Heartbeat,
-    Hello,
     Interrupt,
-    Refuse,
     encode_frame,
     preauth_frame_limit,
 )
@@ -38,10 +37,9 @@ from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
 from lamploop.transport import tls
 from lamploop.transport.connection import GOODBYE_TIMEOUT
-from lamploop.transport.handshake import Refusal
 from lamploop.transport.listen import serve_tcp
 from lamploop.transport.settings import check_int_in, check_seconds_each
-from lamploop.transport.strangers import PendingHandshakes, RefusalLog
+from lamploop.transport.strangers import RefusalLog
 from lamploop.transport.supervisor import Supervisor
 
 __all__ = ["TcpControlRoot"]
@@ -104,13 +102,19 @@ class TcpControlRoot:
         self._host = host
         self._port = port
         self._join_timeout = join_timeout
-        self._handshake_timeout = handshake_timeout
-        self._handshakes = PendingHandshakes(max_pending_handshakes)
         self._tls = tls.check_context("ssl_context", ssl_context, server_side=True)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._address: tuple[str, int] | None = None
         self._peers: dict[int, Connection] = {}
         self._refusals = RefusalLog(remember=_RECENT_REFUSALS)
+        self._admission = FollowerAdmission(
+            run=self._run,
+            sup=self._sup,
+            refusals=self._refusals,
+            context=self._tls,
+            handshake_timeout=handshake_timeout,
+            max_pending_handshakes=max_pending_handshakes,
+        )
         self._joined_or_failed = anyio.Event()
         self._serving = 0
         self._all_served = anyio.Event()
@@ -303,37 +307,14 @@ class TcpControlRoot:
             await conn.aclose()
 
     async def _admit(self, conn: Connection) -> int | None:
-        """Run the handshake; the follower's rank once welcomed, ``None`` if refused.
+        """Admit ``conn`` and welcome it; the follower's rank, ``None`` if refused.
 
-        The transport's order of checks (:mod:`lamploop.transport.handshake`): the token's
-        proof, the protocol version, then :func:`~lamploop.control.handshake.mismatch`.  A
-        stranger is refused and logged; a follower that proved the token but does not fit the
-        run is refused and fails the root too, since the run cannot succeed.
+        The handshake and the refusals are :class:`~lamploop.control.root_admission.FollowerAdmission`'s.
         """
-        try:
-            with anyio.fail_after(self._handshake_timeout), self._handshakes.slot() as slot:
-                if self._tls is not None:
-                    conn.stream = await self._secure(conn.stream, self._tls)
-                hello, welcome = await authenticate_follower(conn, self._run.token)
-            if slot.cancelled_caught:
-                await self._refuse_stranger(conn, "dropped: the oldest of too many connections handshaking")
-                return None
-        except TimeoutError:
-            await self._refuse_stranger(conn, f"no valid hello within {self._handshake_timeout:g} s")
+        admitted = await self._admission.admit(conn, self._peers)
+        if admitted is None:
             return None
-        except Refusal as exc:
-            if isinstance(exc.hello, Hello):
-                await self._refuse_follower(conn, exc.hello.rank, exc.reason)
-            elif exc.reply:
-                await self._refuse_stranger(conn, exc.reason)
-            else:  # garbage or a hang-up: no reply, the least work for a flood of strangers
-                self._refusals.refused(conn.peer, exc.reason)
-            return None
-        rank = hello.rank
-        reason = mismatch(hello, self._run, self._peers)
-        if reason is not None:
-            await self._refuse_follower(conn, rank, reason)
-            return None
+        rank, welcome = admitted
         conn.joined()
         # Take the rank before the first await, so that a duplicate cannot slip in meanwhile.
         conn.rank = rank
@@ -351,23 +332,6 @@ class TcpControlRoot:
         if len(self._peers) == self._run.nranks - 1:
             self._joined_or_failed.set()  # after the welcome, so the rendezvous cannot overtake it
         return rank
-
-    @staticmethod
-    async def _secure(stream: anyio.abc.ByteStream, context: ssl.SSLContext) -> anyio.abc.ByteStream:
-        try:
-            return await tls.wrap(stream, context, server_side=True)
-        except ControlChannelError as exc:
-            raise Refusal(str(exc)) from exc
-
-    async def _refuse_follower(self, conn: Connection, rank: int, reason: str) -> None:
-        """Refuse a peer that proved the token but does not fit the run, and fail the root for it."""
-        logger.warning("control root refused rank %d (%s): %s", rank, conn.peer, reason)
-        await conn.send_best_effort(Refuse(reason))
-        self._sup.fail(HandshakeError(f"refused rank {rank} ({conn.peer}): {reason}"))
-
-    async def _refuse_stranger(self, conn: Connection, reason: str) -> None:
-        self._refusals.refused(conn.peer, reason)
-        await conn.send_best_effort(Refuse(reason))
 
     async def _serve_peer(self, conn: Connection, rank: int) -> None:
         try:

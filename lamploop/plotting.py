@@ -97,6 +97,8 @@ def plot_learning_curve(
 
 
 def _draw(figure: Figure, state: LoopState, title: str) -> None:
+    """The learning curve of ``state`` on ``figure``: training and validation losses per epoch
+    (raw and, where smoothing changed them, smoothed), the best epoch marked, ``title`` above."""
     from matplotlib.ticker import MaxNLocator
 
     axes = figure.add_subplot()

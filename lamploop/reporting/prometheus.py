@@ -134,6 +134,7 @@ class PrometheusReporter:
         registry: CollectorRegistry | None = None,
         namespace: str = "lamploop",
     ) -> None:
+        """Check the port, make every gauge and counter (absent until measured), and start serving."""
         try:
             import prometheus_client  # noqa: F401 (fail here, not at the first event)
         except ImportError as exc:

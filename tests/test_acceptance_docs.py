@@ -520,12 +520,6 @@ def _on_listener(name: str, probe: Callable[[Listener], Awaitable[None]]) -> Non
     anyio.run(run)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: decoding a control frame before lamploop.streaming is first imported makes "
-    "`import lamploop.streaming` fail (KeyError \"<class 'str'>\" in lamploop/streaming/wire.py): the "
-    "shared handshake classes' attrs field types get resolved by the control converter",
-)
 def test_lamploop_streaming_imports_after_a_control_frame_was_decoded() -> None:
     """Any import order works: a process that ran a control channel can still use streaming."""
     code = (

@@ -319,12 +319,14 @@ _TAGS: Final[dict[type[Any], str]] = {
 }
 ENVELOPE: Final = Envelope("streaming", _TAGS, part="header")
 """The streaming messages' headers as the transport's tagged JSON (fields checked here, by hand)."""
-_JSON_TYPES: Final = {"int": int, "str": str}
 # The header fields of each message and their JSON types (a batch's samples are its payload,
-# described by the header's "sizes").
+# described by the header's "sizes"). Resolved here: the handshake messages are shared with the
+# other protocols, whose converters may have resolved their string annotations already.
 _FIELDS: Final[dict[type[Any], dict[str, type[Any]]]] = {
     cls: {
-        f.name: _JSON_TYPES[str(f.type)] for f in attrs.fields(cls) if f.name not in ("samples", "signatures")
+        f.name: f.type
+        for f in attrs.fields(attrs.resolve_types(cls))
+        if f.name not in ("samples", "signatures")
     }
     for cls in _TAGS
 }

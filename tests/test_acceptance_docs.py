@@ -1124,11 +1124,6 @@ def test_epochs_on_end_is_called_once_with_the_reason() -> None:
     assert ends[1] == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (or undocumented rule): with return_min_validation_loss_model=() (the default of epochs "
-    "and of the drivers) early_stopping_patience never stops the run, silently: no best is tracked",
-)
 def test_early_stopping_does_not_depend_on_which_epochs_may_become_the_best_model() -> None:
     """epochs' docstring: 'early_stopping_patience: stop once this many validations in a row have not
     improved on the best one'; nothing ties it to return_min_validation_loss_model."""

@@ -188,7 +188,7 @@ async def epochs(
             schedule_state, epoch, state.last_validation_loss
         )
         _check_factor(factor, schedule, epoch)
-        reason = _end_reason(state, max_epochs, factor, early_stopping_patience)
+        reason = _end_reason(state, max_epochs, factor, early_stopping_patience, selection)
         if reason is None:
             try:
                 trained = await train_epoch(factor)
@@ -240,15 +240,19 @@ async def epochs(
             await checkpoint_state(state, schedule_state)
 
 
-def _end_reason(state: LoopState, max_epochs: int, factor: float, patience: int | None) -> str | None:
+def _end_reason(
+    state: LoopState, max_epochs: int, factor: float, patience: int | None, selection: ModelSelection
+) -> str | None:
     """Why the loop ends before epoch ``state.epoch``: ``""`` at ``max_epochs``, ``None`` if it goes on."""
     if state.epoch >= max_epochs:
         return ""
     if factor <= 0:
         return f"the learning-rate schedule gave factor {factor:g} for epoch {state.epoch} (<= 0 ends it)"
-    if patience is not None and validations_since_best(state) >= patience:
-        return (
-            f"early stopping: {validations_since_best(state)} validations without a new best since "
-            f"epoch {state.min_validation_epoch} (early_stopping_patience={patience})"
-        )
+    if patience is not None:
+        since, best_epoch = validations_since_best(state, selection)
+        if since >= patience:
+            return (
+                f"early stopping: {since} validations without a new best since "
+                f"epoch {best_epoch} (early_stopping_patience={patience})"
+            )
     return None

@@ -66,18 +66,30 @@ class ModelSelection:
         return value < best if self.mode == "min" else value > best
 
 
-def validations_since_best(state: LoopState) -> int:
-    """How many validations came after the best epoch (0 while no epoch is the best yet).
+def validations_since_best(
+    state: LoopState, selection: ModelSelection | None = None
+) -> tuple[int, int | None]:
+    """How many validations came after the best one so far, and the best one's epoch.
 
-    A pure function of the state, so early stopping needs nothing more in checkpoints.
+    Every validation counts, whether or not its epoch may become the best model
+    (``return_min_validation_loss_model`` says which models are kept, not which validations
+    improve); judged as ``selection`` says (default: the smoothed validation loss).  ``(0,
+    None)`` before the first validation.  A pure function of the state, so early stopping
+    needs nothing more in checkpoints.
     """
-    if state.min_validation_epoch is None:
-        return 0
-    return sum(
-        1
-        for entry in state.learning_curve
-        if entry.epoch > state.min_validation_epoch and entry.validation_loss is not None
-    )
+    selection = selection if selection is not None else ModelSelection()
+    best: float | None = None
+    best_epoch: int | None = None
+    since = 0
+    for entry in state.learning_curve:
+        if entry.validation_loss is None:
+            continue
+        value = selection.value(entry.validation_loss, entry.validation_metrics, entry.epoch)
+        if selection.improves(value, best):
+            best, best_epoch, since = value, entry.epoch, 0
+        else:
+            since += 1
+    return since, best_epoch
 
 
 def smoothed_metrics(

@@ -67,12 +67,12 @@ def _eta_text(seconds: float | None) -> str:
     return f"ETA {hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def _finished_line(event: EpochFinished) -> str:
+def _finished_line(event: EpochFinished, *, breakdown: bool = True) -> str:
     seconds = f"{event.seconds:.1f}" if event.seconds >= 1 else f"{event.seconds:.3f}"
     text = f"{describe_epoch(event)} ({seconds} s"
     if event.seconds > 0:
         text += f", {event.examples / event.seconds:.0f} examples/s"
-    if event.step_breakdown is not None:
+    if breakdown and event.step_breakdown is not None:
         text += f"; {describe_step_breakdown(event.step_breakdown)}"
     return text + ")"
 
@@ -295,7 +295,9 @@ class ProgressReporter:
 
     def _epoch_finished(self, event: EpochFinished) -> None:
         self._epoch_seconds.append(event.seconds)
-        self._line(_finished_line(event), event.time)
+        # On a terminal one epoch is one screen line: the step breakdown would wrap it (it is in
+        # the metrics file, lamploop inspect and the log lines of a pipe).
+        self._line(_finished_line(event, breakdown=self._console is None), event.time)
         progress = self._display()
         if progress is not None and self._steps_task is not None:  # its length is known now
             done = max(event.steps, 1)

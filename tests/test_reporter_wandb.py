@@ -99,6 +99,9 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Offline mode, every wandb directory under tmp_path; the wandb service stopped after."""
     import wandb
 
+    # A wandb set up earlier in this process (another module's test on the same worker) keeps
+    # the settings it read then: start from none, so that this environment is the one read.
+    wandb.teardown()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's capture of stdout alone

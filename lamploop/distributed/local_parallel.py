@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import attrs
 import torch
 
 from lamploop.batches import BatchStreamFactory
@@ -91,10 +90,18 @@ async def local_data_parallel_training_loop(
 
     Raises:
         ConfigurationError: no replicas, or replicas on one CUDA device; an unknown keyword,
-            or a setting given both as a keyword and in ``settings=``.
+            or a setting given both as a keyword and in ``settings=``; a ``profile`` (torch
+            profiles one process, and the replicas are its threads: use ``fit(world_size=n)``).
         LamploopError: the first error of any replica (the others are ended within seconds).
     """
     merged = merged_settings(local_data_parallel_training_loop, locals(), LocalSettingKeywords)
+    if merged.profile is not None:
+        msg = (
+            "local_data_parallel_training_loop: profile= needs a process per rank (fit(world_size=n) "
+            "or the drivers): torch runs one profiler per process, and these replicas are threads of "
+            "one (a second rank's trace is lost, and a window cut short by the end crashed torch's export)"
+        )
+        raise ConfigurationError(msg)
     if not models_with_data_streams:
         msg = "local_data_parallel_training_loop: models_with_data_streams is empty"
         raise ConfigurationError(msg)
@@ -120,8 +127,7 @@ async def local_data_parallel_training_loop(
                     train_batches=train,
                     validation_batches=valid,
                     optimizer_factory=optimizer_factory,
-                    # torch runs one profiler per process: the first replica's.
-                    settings=attrs.evolve(merged, profile=None),
+                    settings=merged,
                 )
                 tasks.start_soon(first.watch, run)
             state = await first.watch(

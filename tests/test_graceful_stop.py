@@ -16,7 +16,6 @@ rank's dropout draws continue from its saved RNG state.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from workers import fit_runs
 from workers import rank as worker
 
 import lamploop
@@ -103,49 +103,17 @@ def test_resuming_at_the_step_boundary_ends_bitwise_equal(workdir: Path, strateg
 
 # --- fit, with real signals -------------------------------------------------------------------
 
-KILLS = 12  # random moments; 20 took 110 s of the 10-minute suite for little more coverage
-EVERY_N_STEPS = 3
-
-
-def _fit(procs: worker.Processes, name: str, out: Path) -> Any:
-    command = [
-        worker.sys.executable,
-        str(worker.WORKER_SCRIPT),
-        "fit",
-        str(out),
-        "stoppable",
-        str(EVERY_N_STEPS),
-    ]
-    return procs.start(name, command)
-
-
-def _result(out: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    result = json.loads((out / "result.json").read_text())
-    return result["state"], worker.load_file(str(out / "params.safetensors"))
-
-
-def _assert_same(out: Path, reference: Path) -> None:
-    state, params = _result(out)
-    expected_state, expected_params = _result(reference)
-    assert state == expected_state  # the learning curve, bit for bit
-    for key, value in expected_params.items():
-        assert torch.equal(params[key], value), key
-
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    with worker.Processes(out) as procs:
-        _fit(procs, "root", out)
-        assert procs.wait("root", 120) == 0, procs.logs()
-    return out
+    return fit_runs.run_uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
 
 
 def test_sigterm_on_the_root_stops_at_a_step_and_the_next_run_resumes_there(
     uninterrupted: Path, tmp_path: Path
 ) -> None:
     with worker.Processes(tmp_path) as procs:
-        root = _fit(procs, "root", tmp_path)
+        root = fit_runs.start_fit(procs, "root", tmp_path)
         deadline = time.monotonic() + 120
         while not list((tmp_path / "checkpoints").glob("epoch-000002*")):  # inside epoch 2
             assert root.poll() is None, procs.logs()
@@ -157,32 +125,9 @@ def test_sigterm_on_the_root_stops_at_a_step_and_the_next_run_resumes_there(
         assert "stopped by SIGTERM at epoch" in procs.log("root"), procs.logs()
         latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
         assert "-step-" in latest, latest  # a checkpoint at the step boundary, inside the epoch
-        _fit(procs, "again", tmp_path)
+        fit_runs.start_fit(procs, "again", tmp_path)
         assert procs.wait("again", 120) == 0, procs.logs()
-    _assert_same(tmp_path, uninterrupted)
-
-
-def test_a_dozen_sigkills_at_random_moments_lose_nothing(uninterrupted: Path, tmp_path: Path) -> None:
-    latest = tmp_path / "checkpoints" / "latest"
-    with worker.Processes(tmp_path) as procs:
-        for kill in range(KILLS):
-            proc = _fit(procs, f"try{kill}", tmp_path)
-            seen = latest.read_text() if latest.exists() else ""
-            deadline = time.monotonic() + 60
-            # Once training has moved on (a new checkpoint), kill at a random moment.
-            while (latest.read_text() if latest.exists() else "") == seen and proc.poll() is None:
-                assert time.monotonic() < deadline, procs.logs()
-                time.sleep(0.01)
-            time.sleep(random.uniform(0.0, 0.2))
-            if proc.poll() is None:
-                worker.os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            assert not (tmp_path / "result.json").exists(), (
-                f"the run finished after {kill} kills: make it longer"
-            )
-        _fit(procs, "last", tmp_path)
-        assert procs.wait("last", 120) == 0, procs.logs()
-    _assert_same(tmp_path, uninterrupted)
+    fit_runs.assert_same(tmp_path, uninterrupted)
 
 
 def test_resuming_a_step_boundary_with_another_number_of_ranks_is_refused_up_front() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from lamploop.checkpoint.extras import CheckpointExtra, check_extras
 from lamploop.distributed.rank_extras import SYNC_EXTRA
+from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError
 from lamploop.loop.optimizer import check_takes_parameters
 from lamploop.settings import TrainingSettings
@@ -24,6 +25,7 @@ __all__ = [
     "check_checkpointing",
     "check_model",
     "check_optimizer_factory",
+    "check_sharded_strategy",
     "check_stateful_strategy",
 ]
 

@@ -37,6 +37,7 @@ from lamploop.arguments import (
     check_model,
     check_optimizer_factory,
     check_reporters,
+    check_sharded_strategy,
     check_stateful_strategy,
 )
 from lamploop.averaging import Averaging
@@ -239,6 +240,7 @@ async def fit_async(
     check_reporters("fit", reporters)
     check_early_stopping("fit", early_stopping_patience, validation_batches)
     settings = TrainingSettings.from_arguments(locals())
+    check_sharded_strategy("fit", settings)  # before any rank starts
     extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
     # Place: this process's rank and device.
     placement = place(world_size, device)
@@ -269,7 +271,14 @@ async def fit_async(
             close_all(reporters or ())  # the same script's reporters: a follower reports nothing
         return None
     resumed = resume_root(
-        checkpoint_dir, resume, settings.learning_rate_schedule, model.module, extras, reserved=SYNC_EXTRA
+        checkpoint_dir,
+        resume,
+        settings.learning_rate_schedule,
+        model.module,
+        extras,
+        reserved=SYNC_EXTRA,
+        nranks=placement.nranks,  # a sharded run's checkpoint reshards to any number
+        leave_shards=settings.strategy == "fsdp" and placement.nranks > 1,  # each rank reads its rows
     )
     listeners = list(reporters) if reporters is not None else [_default_reporter()]
     try:

@@ -33,20 +33,20 @@ def _train(module: torch.nn.Module, channel: lamploop.sync.TensorChannel | None,
     batches = lamploop.tensor_batches(x, y, batch_size=32, seed=1)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
     model = lamploop.SupervisedModel(module)
-    losses = []
-    for epoch in range(3):
-        losses.append(
-            anyio.run(
-                lambda e=epoch: lamploop.one_epoch(
-                    model=model,
-                    batches=batches(lamploop.BatchContext(e)),
-                    channel=channel,
-                    step_optimizer=optimizer.step,
-                    accumulate_gradient_over_n_batches=2,
-                    device=device,
-                )
-            )
+    losses: list[float] = []
+
+    async def one(epoch: int) -> float:
+        return await lamploop.one_epoch(
+            model=model,
+            batches=batches(lamploop.BatchContext(epoch)),
+            channel=channel,
+            step_optimizer=optimizer.step,
+            accumulate_gradient_over_n_batches=2,
+            device=device,
         )
+
+    for epoch in range(3):
+        losses.append(anyio.run(one, epoch))
     return losses
 
 
@@ -58,8 +58,9 @@ def test_nccl_with_one_rank_matches_cpu() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
     device = torch.device("cuda", 0)
     group = new_process_group(store, rank=0, nranks=1, device=device, timeout=30, prefix="test")
+    # The channel makes the model's sync at its first pass (gpu starts as cpu's copy: one rank
+    # needs no broadcast of the initial state).
     channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=torch.device(device))
-    channel.attach(gpu)
     gpu_losses = _train(gpu, channel, "cuda")
     cpu_losses = _train(cpu, None, "cpu")
     assert gpu_losses == pytest.approx(cpu_losses, rel=1e-9)
@@ -131,3 +132,39 @@ def test_fully_sharded_on_one_nccl_rank_matches_cpu(tmp_path: Path) -> None:
     for name, q in cpu.named_parameters():
         torch.testing.assert_close(saved[name], q.detach(), atol=1e-9, rtol=0)
     channel.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="fit(strategy='fsdp', world_size=2) needs 2 CUDA devices"
+)
+def test_fit_fsdp_over_nccl_equals_all_reduce(tmp_path: Path) -> None:
+    """``fit(strategy="fsdp", world_size=2, device="cuda")``: NCCL, one device per rank; the
+    model it ends with equals ``all_reduce``'s (float64) and its checkpoint verifies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    worker = Path(__file__).parent / "workers" / "fsdp_fit.py"
+    env = {**os.environ, "PYTHONPATH": str(worker.parents[2])}
+    for strategy in ("fsdp", "all_reduce"):
+        config = {"strategy": strategy, "world_size": 2, "max_epochs": 2, "device": "cuda"}
+        config["checkpoint_dir"] = str(tmp_path / f"{strategy}-ck")
+        out = tmp_path / strategy
+        out.mkdir()
+        done = subprocess.run(
+            [sys.executable, str(worker), str(out), json.dumps(config)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    sharded, plain = (load_file(str(tmp_path / s / "params.safetensors")) for s in ("fsdp", "all_reduce"))
+    for name, tensor in plain.items():
+        torch.testing.assert_close(sharded[name], tensor, atol=1e-9, rtol=0)
+    assert lamploop.checkpoint.verify_checkpoint(tmp_path / "fsdp-ck").ok

@@ -12,21 +12,39 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
 from support import free_port
 from torch import nn
+from workers import fsdp_fit as fit_worker
 from workers import fsdp_rank as worker
 
-from lamploop.checkpoint.sharded import load_sharded, read_full, save_sharded, shard_file, verify_sharded
-from lamploop.errors import ConfigurationError
+import lamploop
+from lamploop.checkpoint import load_checkpoint, verify_checkpoint
+from lamploop.checkpoint.load import load_checkpoint_leaving_shards
+from lamploop.checkpoint.sharded import (
+    ShardsOnDisk,
+    load_sharded,
+    read_best,
+    read_full,
+    save_sharded,
+    shard_file,
+    sharded_model_spec,
+    verify_sharded,
+)
+from lamploop.errors import CheckpointError, ConfigurationError
+from lamploop.modelspec import model_spec
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.fsdp import FullyShard
 
@@ -102,10 +120,12 @@ def _jobs(nranks: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """The 2-rank and the 3-rank run, started together (the 3-rank run loads the 2-rank
-    checkpoint last, once it exists)."""
+    checkpoint last, once it exists), and beside them the first runs through fit (:func:`fit_runs`)."""
     two, three = tmp_path_factory.mktemp("fsdp2"), tmp_path_factory.mktemp("fsdp3")
+    fit_root = tmp_path_factory.mktemp("fit")
+    first_fits = _first_fits(fit_root)
     adam = {"n": N, "optimizer": "adam", "k": 2}
     two_jobs = [
         *_jobs(2),
@@ -116,17 +136,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ]
     (three / "ckpt").symlink_to(two / "ckpt", target_is_directory=True)
     three_jobs = [*_jobs(3), {"kind": "load_only", "name": "loaded", "optimizer": "adam", "load": "ckpt"}]
-    _finish([(two, _start(two, 2, two_jobs)), (three, _start(three, 3, three_jobs))])
-    return two, three
+    started = [(two, _start(two, 2, two_jobs)), (three, _start(three, 3, three_jobs)), *first_fits]
+    fsdp_fit = first_fits[1]
+    try:
+        _finish([fsdp_fit])  # the fsdp fit alone: the runs that resume from it start meanwhile
+        second_fits = _second_fits(fit_root)
+    except BaseException:
+        for _, procs in started:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=10)
+        raise
+    _finish([run for run in started if run is not fsdp_fit] + second_fits)
+    return two, three, fit_root
 
 
 @pytest.fixture(scope="module")
-def two_ranks(runs: tuple[Path, Path]) -> Path:
+def two_ranks(runs: tuple[Path, Path, Path]) -> Path:
     return runs[0]
 
 
 @pytest.fixture(scope="module")
-def three_ranks(runs: tuple[Path, Path]) -> Path:
+def three_ranks(runs: tuple[Path, Path, Path]) -> Path:
     return runs[1]
 
 
@@ -146,7 +177,7 @@ def float64_reference(case: dict[str, Any], nranks: int) -> dict[str, torch.Tens
     return {name: p.detach() for name, p in module.named_parameters()}
 
 
-def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+def _assert_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str) -> None:
     assert got.keys() == want.keys()
     for name in got:
         error = float((got[name] - want[name]).abs().max())
@@ -235,6 +266,12 @@ def test_verify_names_an_altered_or_missing_shard(two_ranks: Path, tmp_path: Pat
     shard.write_bytes(bytes(data))
     problems = verify_sharded(copy)
     assert any(shard.name in p and "sha256" in p for p in problems), problems
+    # verify_checkpoint (lamploop inspect) reads save_sharded's checkpoints too: the index stands in
+    # for the descriptor.
+    assert verify_checkpoint(source).ok
+    report = verify_checkpoint(copy)
+    assert [f.name for f in report.files] == ["sharded.json", shard_file(0, 2), shard_file(1, 2)]
+    assert any(shard.name in p and "sha256" in p for p in report.problems), report.problems
     shard.unlink()
     assert any(shard.name in p for p in verify_sharded(copy))
     with pytest.raises(Exception, match=shard.name):
@@ -302,3 +339,198 @@ def test_prepare_rebuilds_the_optimizer_over_the_shards_with_its_state() -> None
         opt.zero_grad()
     for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.detach()), name  # type: ignore[attr-defined]
+
+
+# --- through fit: strategy="fsdp" on processes fit starts itself ---------------------------------------
+
+FIT_WORKER = Path(__file__).parent / "workers" / "fsdp_fit.py"
+
+
+def _fit(out: Path, **config: Any) -> subprocess.Popen[bytes]:
+    """``fit`` as rank 0 of ``config["world_size"]`` in a process of its own (it starts the others)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FIT_WORKER.parents[2])}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(name, None)  # rank 0 without a launcher: fit launches its followers
+    return subprocess.Popen(
+        [sys.executable, str(FIT_WORKER), str(out), json.dumps(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _first_fits(root: Path) -> list[tuple[Path, list[subprocess.Popen[bytes]]]]:
+    """all_reduce and fsdp through fit for 3 epochs (started by :func:`runs`, beside its runs)."""
+    return [
+        (root / "all_reduce", [_fit(root / "all_reduce", strategy="all_reduce", world_size=2, max_epochs=3)]),
+        (
+            root / "fsdp",
+            [
+                _fit(
+                    root / "fsdp",
+                    strategy="fsdp",
+                    world_size=2,
+                    max_epochs=3,
+                    checkpoint_dir=str(root / "fsdp-ck"),
+                    every_n_steps=2,
+                )
+            ],
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def fit_runs(runs: tuple[Path, Path, Path]) -> Path:
+    """Through fit (MLP 6-13-5, float64, Adam, accumulation 2, validation, 2 ranks): all_reduce
+    and fsdp for 3 epochs (:func:`_first_fits`, checkpointing at epoch ends and after step 2 of
+    each); then resumed from the step-2 checkpoint of epoch 1 on 2 ranks, and from the epoch-2
+    checkpoint on 3 ranks with nothing left to train (:func:`_second_fits`)."""
+    return runs[2]
+
+
+def _second_fits(root: Path) -> list[tuple[Path, list[subprocess.Popen[bytes]]]]:
+    """The runs that resume from the fsdp fit's checkpoints (see :func:`fit_runs`)."""
+    for copy in ("ck3", "ck1"):  # the run as it was after epoch 2
+        shutil.copytree(
+            root / "fsdp-ck", root / copy, ignore=shutil.ignore_patterns("epoch-000002-*", "epoch-000003*")
+        )
+        (root / copy / "latest").write_text("epoch-000002\n")
+    # ... and after step 2 of epoch 1 (a step boundary inside an epoch)
+    shutil.copytree(
+        root / "fsdp-ck", root / "ck-step", ignore=shutil.ignore_patterns("epoch-000002*", "epoch-000003*")
+    )
+    (root / "ck-step" / "latest").write_text("epoch-000001-step-000002\n")
+    second = {
+        "resumed-step": _fit(
+            root / "resumed-step",
+            strategy="fsdp",
+            world_size=2,
+            max_epochs=3,
+            checkpoint_dir=str(root / "ck-step"),
+        ),
+        "three": _fit(
+            root / "three", strategy="fsdp", world_size=3, max_epochs=2, checkpoint_dir=str(root / "ck3")
+        ),
+    }
+    return [(root / name, [proc]) for name, proc in second.items()]
+
+
+def _params(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "params.safetensors"))
+
+
+def test_fit_fsdp_equals_fit_all_reduce(fit_runs: Path) -> None:
+    """Same learning curve and the same model at the end (the best epoch's, gathered whole
+    into the root's ``model.module``) as all_reduce, to float64 rounding."""
+    sharded, plain = _params(fit_runs / "fsdp"), _params(fit_runs / "all_reduce")
+    _assert_close(sharded, plain, "fit fsdp vs fit all_reduce")
+    start = fit_worker.module()
+    assert max(float((p.detach() - plain[n]).abs().max()) for n, p in start.named_parameters()) > 1e-3
+    curves = [json.loads((fit_runs / name / "result.json").read_text()) for name in ("fsdp", "all_reduce")]
+    assert curves[0]["epoch"] == curves[1]["epoch"] == 3
+    for (got_train, got_valid), (want_train, want_valid) in zip(
+        curves[0]["curve"], curves[1]["curve"], strict=True
+    ):
+        assert got_train == pytest.approx(want_train, rel=1e-12, abs=0)
+        assert got_valid == pytest.approx(want_valid, rel=1e-12, abs=0)
+
+
+def test_fit_fsdp_checkpoints_are_sharded_verified_and_load_whole(fit_runs: Path) -> None:
+    report = verify_checkpoint(fit_runs / "fsdp-ck")
+    assert report.ok, report.problems
+    assert report.path.name == "epoch-000003"
+    assert [c.path.name for c in report.checkpoints] == [
+        "epoch-000000-step-000002",
+        "epoch-000001",
+        "epoch-000001-step-000002",
+        "epoch-000002",
+        "epoch-000002-step-000002",
+        "epoch-000003",
+    ]
+    names = [f.name for f in report.files]
+    assert {"sharded.json", shard_file(0, 2), shard_file(1, 2)} <= set(names)
+    assert not report.notes  # every file is listed by the descriptor or the index
+    checkpoint = load_checkpoint(fit_runs / "fsdp-ck")  # one process: an ordinary checkpoint
+    assert (
+        checkpoint.state.best_model.keys()
+        == checkpoint.state.model.keys()
+        == _params(fit_runs / "fsdp").keys()
+    )
+    _assert_close(checkpoint.state.best_model, _params(fit_runs / "fsdp"), "the checkpoint's best model")
+    assert set(checkpoint.state.optimizer["state"]) == {0, 1, 2, 3}
+    assert sharded_model_spec(report.path) == model_spec(fit_worker.module())  # read from the index
+    # What a resuming fsdp run of several ranks gets: the tensors stay for each rank to read its rows.
+    left = load_checkpoint_leaving_shards(fit_runs / "fsdp-ck", model=fit_worker.module())
+    assert isinstance(left.state.model, ShardsOnDisk)
+    assert left.state.model.directory == report.path
+    assert not left.state.best_model
+    assert "state" not in left.state.optimizer
+    with pytest.raises(CheckpointError, match="does not fit the given model"):
+        load_checkpoint_leaving_shards(fit_runs / "fsdp-ck", model=nn.Linear(6, 5).double())
+
+
+def test_a_resumed_fit_fsdp_equals_the_uninterrupted_one(fit_runs: Path) -> None:
+    """Bitwise, from step 2 of epoch 1 (a step boundary; the best model of epoch 0 travels in
+    the checkpoint's shards).  Epoch ends are resumed from below, at 3 ranks and at 1."""
+    uninterrupted, resumed = _params(fit_runs / "fsdp"), _params(fit_runs / "resumed-step")
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_fit_fsdp_releases_the_callers_parameters_while_it_runs(fit_runs: Path) -> None:
+    """Each rank trains its shards of a twin; the caller's module holds no parameter storage
+    until the run ends (then the whole model)."""
+    result = json.loads((fit_runs / "fsdp" / "result.json").read_text())
+    assert result["held"] == [0, 0, 0]
+    assert sum(t.numel() for t in _params(fit_runs / "fsdp").values()) == 6 * 13 + 13 + 13 * 5 + 5
+    plain = json.loads((fit_runs / "all_reduce" / "result.json").read_text())
+    assert plain["held"] == [6 * 13 + 13 + 13 * 5 + 5] * 3
+
+
+def test_a_two_rank_fit_checkpoint_resumes_on_three_ranks_and_on_one(fit_runs: Path) -> None:
+    """Resharded: the model each run ends with (nothing left to train: the checkpoint's best
+    model) equals the checkpoint's, read whole; one rank trains without sharding."""
+    best = read_best(fit_runs / "ck3" / "epoch-000002")
+    assert best
+    _assert_close(_params(fit_runs / "three"), best, "2 -> 3 ranks")
+    kwargs = fit_worker.fit_kwargs(
+        {"strategy": "fsdp", "max_epochs": 2, "checkpoint_dir": str(fit_runs / "ck1")}
+    )
+    state = lamploop.fit(**kwargs, world_size=1)
+    assert state is not None
+    assert state.epoch == 2
+    _assert_close(dict(kwargs["model"].module.state_dict()), best, "2 -> 1 rank")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "named"),
+    [("precision", "fp16", "precision='fp16'"), ("averaging", lamploop.averaging.ema(0.9), "averaging")],
+)
+def test_fit_refuses_what_fsdp_cannot_do_before_any_rank_starts(setting: str, value: Any, named: str) -> None:
+    kwargs = fit_worker.fit_kwargs({"strategy": "fsdp", "max_epochs": 1})
+    never = [sys.executable, "-c", "raise SystemExit('no rank may start')"]
+    with pytest.raises(ConfigurationError, match=rf"fit: {re.escape(named)}.*strategy 'fsdp'"):
+        lamploop.fit(**kwargs, world_size=2, launch_command=never, **{setting: value})
+
+
+def test_drive_refuses_a_checkpointer_as_checkpoint_state_under_fsdp(tmp_path: Path) -> None:
+    """The root alone would write it: fsdp's checkpoints go through checkpoint_position."""
+    kwargs = fit_worker.fit_kwargs({"strategy": "fsdp", "max_epochs": 1})
+
+    async def drive() -> None:
+        await lamploop.drive_distributed_training(
+            nranks=2,
+            device="cpu",
+            control=None,
+            model=kwargs["model"],
+            optimizer_factory=kwargs["optimizer_factory"],
+            train_batches=kwargs["train_batches"],
+            validation_batches=None,
+            max_epochs=1,
+            checkpoint_state=lamploop.checkpoint.Checkpointer(tmp_path),
+            settings=lamploop.TrainingSettings(strategy="fsdp"),
+        )
+
+    with pytest.raises(ConfigurationError, match=re.escape("checkpoint_position=checkpointer.save_position")):
+        anyio.run(drive)

@@ -19,7 +19,8 @@ rule is exercised at the end of every pass).
 | ``all_reduce_fp16`` | no full-width resend at a pass's first step | 0 fallbacks |
 | ``local_sgd8`` | ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager`` (even windows) | 1e-12, float64 |
 | ``local_sgd8``, ``diloco8`` | a float64 reference written here (weights, dry rank, outer step) | 1e-12 |
-| every registered name | ``all_reduce``'s validation accuracy, lr 0.05 and 0.1 | 2 points |
+| every registered name but ``fsdp`` | ``all_reduce``'s validation accuracy, lr 0.05 and 0.1 | 2 points |
+| ``fsdp`` | refused by the threaded loop, naming why (trained by ``fit`` in tests/test_fsdp.py) | |
 | the registry | every name the docs and docstrings mention | equal sets |
 """
 
@@ -355,10 +356,14 @@ def params_of(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return [tensors[f"p{i}"] for i in range(len(tensors))]
 
 
+def _parameter_message(what: str, index: int, message: str) -> str:
+    return f"{what}, parameter {index}: {message}"
+
+
 def assert_params_close(module: nn.Module, expected: Sequence[torch.Tensor], atol: float, what: str) -> None:
     for i, (got, want) in enumerate(zip(module.parameters(), expected, strict=True)):
         torch.testing.assert_close(
-            got.detach(), want, atol=atol, rtol=0, msg=lambda m, i=i: f"{what}, parameter {i}: {m}"
+            got.detach(), want, atol=atol, rtol=0, msg=functools.partial(_parameter_message, what, i)
         )
 
 
@@ -377,7 +382,8 @@ def test_all_reduce_equals_distributed_data_parallel(k: int, torch_reference: An
         assert_params_close(module, params_of(tensors), EXACT_ATOL, f"k={k}, rank {rank}")
     curve = [entry.training_loss for entry in state.learning_curve]
     assert curve == pytest.approx(numbers["losses"], abs=EXACT_ATOL, rel=0)
-    moved = float((modules[0][0].weight - mlp(torch.float64, MODEL_SEED)[0].weight).detach().abs().max())
+    first, start = modules[0][0], mlp(torch.float64, MODEL_SEED)[0]  # type: ignore[index]
+    moved = float((first.weight - start.weight).detach().abs().max())
     assert moved > 1e-2  # it trained
 
 
@@ -644,9 +650,21 @@ def test_local_sgd_and_diloco_equal_a_float64_reference(
 
 # --- 6. convergence of every registered strategy -------------------------------------------------
 
+# Strategies this module's loop (local_data_parallel_training_loop: ranks are threads of this
+# process) cannot train, each with the reason; test_strategies_the_threads_cannot_train_are_refused
+# checks that each is refused, naming it, and the test named here trains it in processes instead.
+NOT_IN_THREADS = {
+    "fsdp": (
+        "FSDP2 shards over one process per rank; tests/test_fsdp.py::"
+        "test_fit_fsdp_equals_fit_all_reduce trains it through fit(world_size=2)"
+    ),
+}
+
 
 @pytest.mark.parametrize("lr", [0.05, 0.1])
-@pytest.mark.parametrize("strategy", [s for s in BUILTIN_STRATEGIES if s != "all_reduce"])
+@pytest.mark.parametrize(
+    "strategy", [s for s in BUILTIN_STRATEGIES if s != "all_reduce" and s not in NOT_IN_THREADS]
+)
 def test_every_registered_strategy_trains_like_all_reduce(strategy: str, lr: float) -> None:
     """MLP 64-64-10, SGD momentum 0.9, batches of 32 on 2 ranks, 10 epochs: validation accuracy
     within 2 points of ``all_reduce``'s at the same learning rate."""
@@ -656,11 +674,22 @@ def test_every_registered_strategy_trains_like_all_reduce(strategy: str, lr: flo
     assert got >= expected - ACCURACY_POINTS, f"{strategy} at lr {lr}: {got:.4f}, all_reduce {expected:.4f}"
 
 
+@pytest.mark.parametrize("strategy", sorted(NOT_IN_THREADS))
+def test_strategies_the_threads_cannot_train_are_refused(strategy: str) -> None:
+    """Excluded from the convergence check above only because the threaded loop refuses them,
+    up front and naming the strategy; each one's reason names the test that trains it."""
+    assert strategy in BUILTIN_STRATEGIES
+    assert "tests/test_fsdp.py::" in NOT_IN_THREADS[strategy]
+    refused = rf"strategy '{strategy}'.*local_data_parallel"
+    with pytest.raises(lamploop.errors.ConfigurationError, match=refused):
+        train(strategy, dtype=torch.float32, lr=0.05, epochs=1, n=64)
+
+
 # --- 7. the registry against the docs ------------------------------------------------------------
 
 # A strategy's name, in the shapes the docs give them: "all_reduce", "reduce_to_root",
-# "all_reduce_<wire>", "powersgd<rank>", "local_sgd<H>", "diloco<H>".
-STRATEGY_NAME = r"(?:all_reduce(?:_bf16|_fp16)?|reduce_to_root|powersgd\d+|local_sgd\d+|diloco\d+)"
+# "all_reduce_<wire>", "powersgd<rank>", "local_sgd<H>", "diloco<H>", "fsdp".
+STRATEGY_NAME = r"(?:all_reduce(?:_bf16|_fp16)?|reduce_to_root|powersgd\d+|local_sgd\d+|diloco\d+|fsdp)"
 INLINE_NAME = re.compile(rf"(?<!`)``?({STRATEGY_NAME})``?(?!`)")
 
 

@@ -39,6 +39,15 @@ from lamploop.checkpoint.format import (
 )
 from lamploop.checkpoint.integrity import check_file
 from lamploop.checkpoint.rng import RngStates, _rng_from_disk, _rng_names
+from lamploop.checkpoint.sharded import (
+    SHARDED_INDEX,
+    ShardsOnDisk,
+    is_sharded_checkpoint,
+    read_best,
+    read_full,
+    sharded_model_spec,
+    verify_sharded,
+)
 from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
@@ -250,16 +259,46 @@ def load_checkpoint(
             descriptor lists, a model that does not fit, or a schedule state
             that does not fit ``schedule``.
     """
+    return _load(path, schedule, model, restore_rng, whole=True)
+
+
+def load_checkpoint_leaving_shards(
+    path: str | os.PathLike[str],
+    *,
+    schedule: LearningRateSchedule[Any] | None = None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+) -> Checkpoint:
+    """:func:`load_checkpoint`, but a sharded run's tensors stay on disk for every rank to read its own.
+
+    For a sharded run's checkpoint (strategy ``fsdp``) the state's ``model`` is a
+    :class:`~lamploop.checkpoint.sharded.ShardsOnDisk` naming the directory, its
+    ``optimizer`` holds only what is kept beside the optimizer's own state (loss scale,
+    scheduler) and its ``best_model`` is empty: each rank of the resumed run loads its rows
+    (:func:`~lamploop.checkpoint.sharded.load_sharded`).  Every file is checked as by
+    :func:`load_checkpoint`, and the index's model against ``model``.  Any other checkpoint
+    loads whole.
+    """
+    return _load(path, schedule, model, False, whole=False)
+
+
+def _load(
+    path: str | os.PathLike[str],
+    schedule: LearningRateSchedule[Any] | None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    restore_rng: bool,
+    *,
+    whole: bool,
+) -> Checkpoint:
     directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
-        return _load_directory(directory, schedule, model, restore_rng)
+        return _load_directory(directory, schedule, model, restore_rng, whole=whole)
     # The root: its latest checkpoint, or else the newest valid one saved before it.
     first_error: CheckpointError | None = None
     tried: set[pathlib.Path] = set()
     candidate: pathlib.Path | None = directory
     while candidate is not None:
         try:
-            return _load_directory(candidate, schedule, model, restore_rng)
+            return _load_directory(candidate, schedule, model, restore_rng, whole=whole)
         except CheckpointError as e:
             first_error = first_error or e
             tried.add(candidate)
@@ -280,16 +319,64 @@ def _check_fits(directory: pathlib.Path, descriptor: _Descriptor, actual: ModelS
             raise CheckpointError(msg)
 
 
+def _read_sharded(
+    directory: pathlib.Path,
+    beside: dict[str, Any],
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """The whole model, optimizer state and best model of a sharded run's checkpoint, read by one process.
+
+    ``beside``: what the descriptor's optimizer state holds (the loss scale, the scheduler's
+    state); kept beside the optimizer's own.  The model's tensors come in ``model``'s order.
+    """
+    full, optimizer, _ = read_full(directory)
+    best = read_best(directory)
+    if model is not None:
+        expected = model_spec(model)
+        order = [t.name for t in expected.tensors]
+        if set(order) == set(full):
+            full = {name: full[name] for name in order}
+            best = {name: best[name] for name in order} if set(best) == set(order) else best
+        problem = describe_mismatch(
+            model_spec(full), expected, expected_label="checkpoint", actual_label="model"
+        )
+        if problem is not None:
+            msg = f"{directory / SHARDED_INDEX}: does not fit the given model: {problem}"
+            raise CheckpointError(msg)
+    return full, {**optimizer, **beside}, best
+
+
+def _check_shards(
+    directory: pathlib.Path, model: torch.nn.Module | Mapping[str, torch.Tensor] | None
+) -> None:
+    """Every shard file intact, and the index's model is ``model``'s (names, shapes, dtypes)."""
+    problems = verify_sharded(directory)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    if model is None:
+        return
+    # The index lists parameters, then buffers: compared by name, not in the state dict's order.
+    saved = ModelSpec(tuple(sorted(sharded_model_spec(directory).tensors, key=lambda t: t.name)))
+    expected = ModelSpec(tuple(sorted(model_spec(model).tensors, key=lambda t: t.name)))
+    problem = describe_mismatch(saved, expected, expected_label="checkpoint", actual_label="model")
+    if problem is not None:
+        msg = f"{directory / SHARDED_INDEX}: does not fit the given model: {problem}"
+        raise CheckpointError(msg)
+
+
 def _load_directory(
     directory: pathlib.Path,
     schedule: LearningRateSchedule[Any] | None,
     model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
     restore_rng: bool,
+    *,
+    whole: bool = True,
 ) -> Checkpoint:
     """Load and validate one checkpoint directory (see :func:`load_checkpoint`)."""
     descriptor_path = directory / DESCRIPTOR_NAME
     descriptor = read_descriptor(descriptor_path)
-    if model is not None:
+    sharded = is_sharded_checkpoint(directory)
+    if model is not None and not sharded:
         _check_fits(directory, descriptor, model_spec(model))
     schedule_state = (
         descriptor.schedule_state
@@ -322,6 +409,11 @@ def _load_directory(
         except (ValueError, TypeError, RuntimeError) as e:
             msg = f"{directory / RNG_FILE}: cannot restore the RNG states: {e}"
             raise CheckpointError(msg) from e
+    if sharded and whole:  # a sharded run's: the model, optimizer and best model are in its shards
+        model_tensors, optimizer, best_tensors = _read_sharded(directory, optimizer, model)
+    elif sharded:  # left on disk: each rank reads its rows
+        _check_shards(directory, model)
+        model_tensors, best_tensors = ShardsOnDisk(directory), {}
     averaged: dict[str, torch.Tensor] = {}
     if descriptor.averaged_model_spec is not None:
         averaged = _read_tensors(directory, descriptor, AVERAGED_MODEL_FILE, descriptor.averaged_model_spec)

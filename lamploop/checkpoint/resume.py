@@ -23,8 +23,9 @@ import attrs
 import torch
 
 from lamploop.checkpoint.extras import CheckpointExtra, ExtraState, rank_extra_name
-from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint
+from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint, load_checkpoint_leaving_shards
 from lamploop.checkpoint.rng import RngStates
+from lamploop.checkpoint.sharded import is_sharded_checkpoint
 from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.schedules import LearningRateSchedule
@@ -78,11 +79,17 @@ def resume_root(
     extras: Mapping[str, CheckpointExtra],
     *,
     reserved: str | None = None,
+    nranks: int | None = None,
+    leave_shards: bool = False,
 ) -> Resumed | None:
     """Load the latest checkpoint of ``checkpoint_dir`` for the root (``None``: nothing to resume).
 
     The checkpoint is checked against ``module`` and ``schedule``; the extras and this
-    process's RNG states are restored here.
+    process's RNG states are restored here.  A sharded run's checkpoint taken at an epoch's
+    end resumes at any number of ranks ``nranks`` (it reshards): with another number than it
+    was saved with, the followers start from their own RNG states.  With ``leave_shards``
+    (a sharded run of several ranks resumes) its tensors stay on disk for every rank to read
+    its own rows (:func:`~lamploop.checkpoint.load.load_checkpoint_leaving_shards`).
 
     Raises:
         CheckpointError: the checkpoint is damaged, does not fit the model or the schedule, or
@@ -90,7 +97,8 @@ def resume_root(
     """
     if checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
         return None
-    checkpoint = load_checkpoint(checkpoint_dir, schedule=schedule, model=module)
+    load = load_checkpoint_leaving_shards if leave_shards else load_checkpoint
+    checkpoint = load(checkpoint_dir, schedule=schedule, model=module)
     restore_extras(checkpoint.path, checkpoint.extras, extras, rank=0, reserved=reserved)
     checkpoint.rng.restore()
     where = f"epoch {checkpoint.state.loop_state.epoch}"
@@ -98,11 +106,26 @@ def resume_root(
         where += f" after step {checkpoint.position.steps_done}"
     logger.info("resuming from %s at %s", checkpoint.path, where)
     pattern = _reserved_pattern(reserved)
+    rngs = (checkpoint.rng, *checkpoint.rank_rngs)
+    if (
+        nranks is not None
+        and len(rngs) != nranks
+        and checkpoint.position is None
+        and is_sharded_checkpoint(checkpoint.path)
+    ):
+        logger.info(
+            "%s was saved by %d ranks and resumes on %d (resharded): the followers start from "
+            "their own RNG states",
+            checkpoint.path,
+            len(rngs),
+            nranks,
+        )
+        rngs = rngs[:1]
     return Resumed(
         init_state=checkpoint.state,
         learning_rate_schedule_init_state=checkpoint.schedule_state,
         init_position=checkpoint.position,
-        init_rank_rngs=(checkpoint.rng, *checkpoint.rank_rngs),
+        init_rank_rngs=rngs,
         extras_from=checkpoint.path.name if extras else None,
         reserved={
             name: state
@@ -126,7 +149,7 @@ def resume_follower_extras(
     """
     if not extras or checkpoint_dir is None or not resume or latest_checkpoint(checkpoint_dir) is None:
         return None
-    checkpoint = load_checkpoint(checkpoint_dir)
+    checkpoint = load_checkpoint_leaving_shards(checkpoint_dir)  # the extras only: no model read
     restore_extras(checkpoint.path, checkpoint.extras, extras, rank=rank, reserved=reserved)
     return checkpoint.path.name
 

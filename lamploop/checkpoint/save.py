@@ -42,6 +42,7 @@ from lamploop.checkpoint.format import (
     rank_rng_file,
 )
 from lamploop.checkpoint.rng import RngStates, _rng_to_disk, _RngRecord
+from lamploop.checkpoint.sharded import ShardedModelState
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
@@ -95,6 +96,11 @@ def save_checkpoint(
         extras: named extra states ``(tensors, meta)`` (see :mod:`lamploop.checkpoint.extras`),
             written to ``extra-<name>.safetensors`` and the descriptor.
 
+    A sharded run's state (strategy ``fsdp``) has a
+    :class:`~lamploop.checkpoint.sharded.ShardedModelState` as its model: every rank's shards
+    of the model, the optimizer and the best model go into the same directory before it is
+    renamed into place (:class:`~lamploop.checkpoint.sharded.ShardWriter`).
+
     Returns:
         The new checkpoint directory.
 
@@ -132,6 +138,8 @@ def save_checkpoint(
     temp.mkdir()
     try:
         contents.write(temp, state, schedule_state, position, _next_sequence(root))
+        if isinstance(state.model, ShardedModelState):  # every rank's shards, before the rename
+            state.model.shard_writer.write_into(temp)
         final, replaced = _put_in_place(root, temp, name)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

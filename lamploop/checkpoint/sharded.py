@@ -35,7 +35,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -56,18 +56,25 @@ from lamploop.checkpoint.files import (
 from lamploop.checkpoint.format import _CHECKPOINT_NAME, DESCRIPTOR_NAME, _FileRecord, checkpoint_name
 from lamploop.checkpoint.integrity import FileCheck, check_file, file_size
 from lamploop.errors import CheckpointError
+from lamploop.modelspec import ModelSpec, TensorSpec
 from lamploop.strict_json import fsync_dir
 from lamploop.sync.collectives import Collectives
 
 __all__ = [
     "SHARDED_FORMAT",
     "SHARDED_INDEX",
+    "ShardWriter",
+    "ShardedModelState",
+    "ShardsOnDisk",
     "is_sharded_checkpoint",
+    "load_best_sharded",
     "load_sharded",
+    "read_best",
     "read_full",
     "save_sharded",
     "shard_file",
     "sharded_file_checks",
+    "sharded_model_spec",
     "verify_sharded",
 ]
 
@@ -77,6 +84,7 @@ SHARDED_FORMAT: Final = "lamploop-sharded"
 _VERSION: Final = 1
 _MODEL: Final = "model/"
 _OPTIMIZER: Final = "optimizer/"
+_BEST: Final = "best/"
 
 
 def shard_file(rank: int, nranks: int) -> str:
@@ -104,7 +112,11 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
 
 
 def _own_tensors(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rank: int, nranks: int
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+    nranks: int,
+    best: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors to write, and their index entries (``rows`` per name)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -143,6 +155,8 @@ def _own_tensors(
                         msg = f"optimizer state {key!r} of {names[id(p)]!r} is a {kind}, not a tensor"
                         raise CheckpointError(msg)
                     put(f"{_OPTIMIZER}{names[id(p)]}/{key}", value)
+    for name, value in (best or {}).items():
+        put(_BEST + name, value)
     return tensors, entries
 
 
@@ -531,3 +545,154 @@ def read_full(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], di
             groups.append({**saved, "params": ids})
         optimizer = {"state": state, "param_groups": groups}
     return model, optimizer, index.meta
+
+
+def read_best(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The whole best model a sharded checkpoint keeps (empty when none was kept), read by one process."""
+    index = _checked(path)
+    reader = _Reader(index)
+    return {
+        key[len(_BEST) :]: reader.rows(key, 0, entry["shape"][0] if entry["shape"] else 0)
+        for key, entry in index.tensors.items()
+        if key.startswith(_BEST)
+    }
+
+
+class ShardWriter:
+    """Every rank's part of a checkpoint of a sharded run: its shards, into the root's directory.
+
+    The drivers' checkpoints of a sharded model (strategy ``fsdp``) are ordinary checkpoint
+    directories (descriptor, RNG states, extras: written by the root alone, see
+    :func:`~lamploop.checkpoint.save_checkpoint`) that also hold the shard files and
+    ``sharded.json`` of this module, in place of ``model.safetensors``'s and
+    ``optimizer.safetensors``' tensors and of the best model.  The root's
+    :func:`~lamploop.checkpoint.save_checkpoint` calls :meth:`write_into` with its temporary
+    directory before renaming it into place; every follower answers with :meth:`serve` at the
+    same point of its run.  The root then calls :meth:`end` once per checkpoint it was asked
+    for, written or not, so that the followers never wait for a write that will not come.
+
+    Args:
+        collectives: the run's process group.
+        module: this rank's sharded module.
+        optimizer: its optimizer over the shards.
+        best: this rank's shards of the best model so far (``{}``: none yet), asked at each write.
+    """
+
+    def __init__(
+        self,
+        collectives: Collectives,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        best: Callable[[], Mapping[str, torch.Tensor]],
+    ) -> None:
+        self.collectives = collectives
+        self.module = module
+        self.optimizer = optimizer
+        self.best = best
+        self._wrote = False
+
+    def _write_own(self, directory: pathlib.Path) -> list[Any]:
+        rank, nranks = self.collectives.rank, self.collectives.nranks
+        tensors, entries = _own_tensors(self.module, self.optimizer, rank, nranks, self.best())
+        file = shard_file(rank, nranks)
+        record = _write_tensors(directory / file, tensors, f"{directory / file}")
+        mine = {"file": file, "sha256": record.sha256, "size": record.size, "entries": entries}
+        return self.collectives.gather_json(mine, "sharded checkpoint's files")
+
+    def write_into(self, directory: pathlib.Path) -> None:
+        """The root, inside ``save_checkpoint``: every rank's shards and the index into ``directory``."""
+        self._wrote = True
+        self.collectives.broadcast_json({"directory": str(directory)}, "sharded checkpoint's directory")
+        everyone = self._write_own(directory)
+        index = _index(everyone, self.collectives.nranks, _param_groups(self.module, self.optimizer), None)
+        with open(directory / SHARDED_INDEX, "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def end(self, error: BaseException | None) -> None:
+        """The root, after each checkpoint it was asked for: tell the followers how it ended."""
+        if not self._wrote:  # no write came (a writer that chose not to): the followers skip it
+            self.collectives.broadcast_json(None, "sharded checkpoint's directory")
+            return
+        self._wrote = False
+        problem = "" if error is None else f"rank 0 could not write the checkpoint: {error}"
+        self.collectives.broadcast_json(problem, "sharded checkpoint written")
+
+    def serve(self) -> None:
+        """A follower, where the root checkpoints: write this rank's shards into its directory.
+
+        Raises:
+            CheckpointError: the root could not write or place the checkpoint.
+        """
+        request = self.collectives.broadcast_json(None, "sharded checkpoint's directory")
+        if request is None:
+            return
+        self._write_own(pathlib.Path(request["directory"]))
+        problem = self.collectives.broadcast_json(None, "sharded checkpoint written")
+        if problem:
+            raise CheckpointError(problem)
+
+
+class ShardedModelState(dict[str, torch.Tensor]):
+    """The ``model`` of a sharded run's checkpoint state: empty, with the :class:`ShardWriter` to call.
+
+    :func:`~lamploop.checkpoint.save_checkpoint` then writes the shards of every rank into the
+    checkpoint (see :class:`ShardWriter`) instead of a model state dict.
+    """
+
+    def __init__(self, writer: ShardWriter) -> None:
+        super().__init__()
+        self.shard_writer = writer
+
+
+def sharded_model_spec(path: str | os.PathLike[str]) -> ModelSpec:
+    """The whole model's tensor specs (names, full shapes, dtypes) a sharded checkpoint's index lists.
+
+    Read from ``sharded.json`` alone (no shard file is read), e.g. for ``lamploop inspect``'s
+    model summary.
+
+    Raises:
+        CheckpointError: the index is missing, unreadable or malformed.
+    """
+    index = _read_index(pathlib.Path(path))
+    return ModelSpec(
+        tuple(
+            TensorSpec(key[len(_MODEL) :], tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
+            for key, entry in index.tensors.items()
+            if key.startswith(_MODEL)
+        )
+    )
+
+
+class ShardsOnDisk(dict[str, torch.Tensor]):
+    """The ``model`` of a resumed sharded run's state: empty, naming the checkpoint ``directory``.
+
+    :func:`~lamploop.checkpoint.load.load_checkpoint_leaving_shards` gives it; the drivers
+    then load every rank's rows of the model, the optimizer state and the best model from
+    ``directory`` once the model is sharded (:func:`load_sharded`, :func:`load_best_sharded`),
+    instead of broadcasting the whole state from the root.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.directory = pathlib.Path(directory)
+
+
+def load_best_sharded(path: str | os.PathLike[str], module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's rows of the best model a sharded checkpoint keeps, cut as ``module``'s state is.
+
+    Empty when the checkpoint keeps no best model.  ``module`` is sharded (or not, one rank).
+
+    Raises:
+        CheckpointError: a file is damaged, or the best model does not fit ``module``.
+    """
+    index = _checked(path)
+    if not any(key.startswith(_BEST) for key in index.tensors):
+        return {}
+    reader = _Reader(index)
+    with torch.no_grad():
+        return {
+            name: reader.like(_BEST + name, value.detach()).clone()
+            for name, value in module.state_dict().items()
+        }

@@ -46,6 +46,7 @@ from lamploop.checkpoint.format import (
 )
 from lamploop.checkpoint.integrity import FileCheck, check_file, file_size
 from lamploop.checkpoint.load import load_checkpoint, read_descriptor, resolve_checkpoint
+from lamploop.checkpoint.sharded import is_sharded_checkpoint, sharded_file_checks
 from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.state import LearningCurveEntry, LoopState
@@ -173,6 +174,13 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
 
     descriptor_path = directory / DESCRIPTOR_NAME
     present = sorted(p.name for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
+    sharded: tuple[FileCheck, ...] = ()
+    if is_sharded_checkpoint(directory):
+        sharded = sharded_file_checks(directory)
+        if not descriptor_path.exists():  # save_sharded's own checkpoint: the index is its descriptor
+            return _sharded_only(directory, sharded, is_latest=is_latest)
+        in_index = {check.name for check in sharded if check.note is None}
+        present = [name for name in present if name not in in_index]
     descriptor: _Descriptor | None = None
     try:
         descriptor = read_descriptor(descriptor_path)
@@ -210,6 +218,7 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
                 note = f"not listed in {DESCRIPTOR_NAME} (not read when loading)"
                 files.append(FileCheck(name, file_size(directory / name), note=note))
                 notes.append(f"{directory / name}: {note}")
+    files += [check for check in sharded if check.note is None]
     problems = [f"{directory / f.name}: {f.problem}" for f in files if f.problem is not None]
     if descriptor is not None and not problems:
         # Every file is intact: load it as a resuming run would, which also checks that the
@@ -227,6 +236,15 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
     epoch, steps = _name_position(directory.name)
     summary = CheckpointSummary(directory, epoch, steps, is_latest, tuple(files), tuple(problems))
     return _Checked(summary, descriptor, tuple(notes))
+
+
+def _sharded_only(directory: Path, checks: tuple[FileCheck, ...], *, is_latest: bool) -> _Checked:
+    """A checkpoint of :func:`~lamploop.checkpoint.sharded.save_sharded`: its index and shards."""
+    problems = tuple(f"{directory / c.name}: {c.problem}" for c in checks if c.problem is not None)
+    notes = tuple(f"{directory / c.name}: {c.note}" for c in checks if c.note is not None)
+    epoch, steps = _name_position(directory.name)
+    summary = CheckpointSummary(directory, epoch, steps, is_latest, checks, problems)
+    return _Checked(summary, None, notes)
 
 
 def _read_latest(root: Path) -> tuple[str | None, list[str], list[str]]:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from lamploop.checkpoint import RngStates
+from lamploop.checkpoint.sharded import ShardWriter
 from lamploop.loop.boundary import EpochPosition, StepProgress
 from lamploop.loop.stop_request import StopRequest  # its home; importable from here as before
 from lamploop.sync.collectives import Collectives
@@ -86,6 +87,8 @@ class RankBoundary:
         self._last = time.monotonic()
         self.epoch = 0
         self.lr_factor = 1.0
+        # A sharded model's (strategy fsdp): every rank writes its shards into the root's checkpoint.
+        self.shard_writer: ShardWriter | None = None
 
     @property
     def stop_reason(self) -> str:
@@ -117,6 +120,8 @@ class RankBoundary:
         everyone = self._gather(mine, "step boundary")
         self._last = time.monotonic()
         if self._save is None:
+            if self.shard_writer is not None and self._keep_rngs:  # the root checkpoints here
+                self.shard_writer.serve()
             return
         position = EpochPosition(
             epoch=self.epoch,

@@ -21,6 +21,7 @@ What happens, in order:
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from typing import Any, TypeVar
@@ -29,11 +30,14 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+import attrs
 import torch
 
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import RngStates
+from lamploop.checkpoint.checkpointer import Checkpointer
 from lamploop.checkpoint.extras import CheckpointExtra
+from lamploop.checkpoint.sharded import ShardedModelState, ShardsOnDisk
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop, Train, Valid
 from lamploop.distributed.boundaries import SavePosition
 from lamploop.distributed.process_group import create_store
@@ -50,6 +54,7 @@ from lamploop.distributed.root_setup import (
     install_result,
     set_up_root,
 )
+from lamploop.distributed.sharded_checks import SHARDED, check_sharded_strategy
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
@@ -134,6 +139,13 @@ class _RootEpochs:
         self.end_reason = ""  # why the epoch loop ended, in words (RunFinished.reason)
         self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
+        # A sharded model's rank: its best model is kept in every rank's shards, and what the
+        # followers must do with the root (keep the best, checkpoint) waits for the next command.
+        self.sharded = replica.sharded
+        if self.sharded is not None:
+            self.best = {}
+        self.best_pending = False
+        self.save_pending: tuple[LoopStateWithModelAndOptimizerData, Any, EpochPosition, Any] | None = None
         if replica.average is not None and init_state is not None and init_state.averaged_count:
             replica.average.load(init_state.averaged_model, init_state.averaged_count)
         self.events = EpochEvents(emit, _wait_seconds(replica.channel))
@@ -142,6 +154,11 @@ class _RootEpochs:
 
     def _data(self, state: LoopState) -> LoopStateWithModelAndOptimizerData:
         average = self.replica.average
+        if self.sharded is not None:  # the tensors go into every rank's shards (ShardWriter)
+            beside = saved_beside_optimizer(self.replica.optimizer_state())
+            return LoopStateWithModelAndOptimizerData(
+                loop_state=state, model=ShardedModelState(self.sharded.writer), optimizer=beside
+            )
         return LoopStateWithModelAndOptimizerData(
             loop_state=state,
             model=unwrapped(self.replica.model.module).state_dict(),
@@ -154,8 +171,42 @@ class _RootEpochs:
     async def save_position(self, position: EpochPosition, rngs: Sequence[RngStates]) -> None:
         if self.checkpoint_position is not None:
             data = self._data(self.state)
-            written = await self.checkpoint_position(data, self.schedule_state, position, rngs)
+            written = await self._checkpoint_position(data, self.schedule_state, position, rngs)
             self.position_saved = written is not False
+
+    async def _checkpoint_position(
+        self,
+        data: LoopStateWithModelAndOptimizerData,
+        schedule_state: Any,
+        position: EpochPosition,
+        rngs: Any,
+    ) -> bool | None:
+        """``checkpoint_position``; with a sharded model, the followers then hear how it went."""
+        assert self.checkpoint_position is not None
+        if self.sharded is None:
+            return await self.checkpoint_position(data, schedule_state, position, rngs)
+        sharded = self.sharded
+        try:
+            written = await self.checkpoint_position(data, schedule_state, position, rngs)
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await sharded.on_worker(sharded.writer.end, e)
+            raise
+        await sharded.on_worker(sharded.writer.end, None)
+        return written
+
+    async def _sharded_point(self, finish: bool) -> None:
+        """After each command: every rank keeps the best model, checkpoints, installs the result."""
+        if self.sharded is None:
+            return
+        sharded, pending = self.sharded, self.save_pending
+        request = {"best": self.best_pending, "save": pending is not None, "finish": finish}
+        self.best_pending, self.save_pending = False, None
+        await sharded.on_worker(sharded.point, request)
+        if pending is not None:
+            await self._checkpoint_position(*pending)
+        if finish:
+            await sharded.on_worker(sharded.install)
 
     async def epochs(self, settings: TrainingSettings, validates: bool) -> LoopState:
         """Run :func:`lamploop.epochs` from where this root starts, with these effects."""
@@ -183,6 +234,7 @@ class _RootEpochs:
     async def tell(self, command: Train | Valid | Stop) -> None:
         if self.control is not None and self.replica.channel.nranks > 1:
             await self.control.broadcast(command)
+            await self._sharded_point(finish=isinstance(command, Stop))
 
     def _epoch_starts(self, lr_factor: float) -> None:
         resume = self.replica.resume_at
@@ -219,6 +271,9 @@ class _RootEpochs:
         return loss
 
     async def save_best(self) -> None:
+        if self.sharded is not None:  # every rank keeps its shards at the next command
+            self.best_pending = True
+            return
         self.best = {
             k: v.detach().clone() for k, v in unwrapped(self.replica.model.module).state_dict().items()
         }
@@ -233,9 +288,32 @@ class _RootEpochs:
             rngs = (
                 boundary.kept_rngs if boundary is not None and boundary.kept_rngs else [RngStates.capture()]
             )
-            await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
+            if self.sharded is not None:  # written with the followers, at the next command
+                self.save_pending = (self._data(state), schedule_state, start, rngs)
+            else:
+                await self.checkpoint_position(self._data(state), schedule_state, start, rngs)
         if self.checkpoint_state is not None:
-            await self.checkpoint_state(self._data(state), schedule_state)
+            data = self._data(state)
+            if self.sharded is not None:  # the shards are written through checkpoint_position only
+                data = attrs.evolve(data, model={})
+            await self.checkpoint_state(data, schedule_state)
+
+
+def _shards_on_disk(
+    init_state: LoopStateWithModelAndOptimizerData | None, settings: TrainingSettings, nranks: int
+) -> pathlib.Path | None:
+    """The sharded checkpoint ``init_state`` left its tensors in (every rank then loads its rows)."""
+    if init_state is None or not isinstance(init_state.model, ShardsOnDisk):
+        return None
+    if settings.strategy != SHARDED or nranks == 1:
+        msg = (
+            f"drive_distributed_training: init_state's tensors were left in the sharded checkpoint "
+            f"{init_state.model.directory} (load_checkpoint_leaving_shards), which only strategy "
+            f"'fsdp' on several ranks reads; this run has strategy {settings.strategy!r} on "
+            f"{nranks} rank(s): load it with load_checkpoint"
+        )
+        raise ConfigurationError(msg)
+    return init_state.model.directory
 
 
 def _wait_seconds(channel: object) -> Callable[[], float]:
@@ -314,6 +392,9 @@ async def drive_distributed_training(
             early stopping and the checkpoint cadence (``checkpoint_every_*``); the settings
             every rank holds (:attr:`TrainingSettings.EVERY_RANK`) must equal the
             followers'.  A lamp keyword left at its default takes the settings' value.
+            ``strategy="fsdp"`` shards the model over the ranks (every rank writes its shards
+            of each checkpoint through ``checkpoint_position``; see docs/strategies.md and
+            :mod:`lamploop.distributed.sharded_rank`).
         keywords: the same settings one keyword each (``strategy="all_reduce"``...), as
             before ``settings=`` (:class:`~lamploop.settings.SettingKeywords`); not together
             with ``settings=``.
@@ -354,6 +435,14 @@ async def drive_distributed_training(
     """
     settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
     torch_device = check_place(nranks, device, "drive_distributed_training")
+    check_sharded_strategy("drive_distributed_training", settings, control=control)
+    if settings.strategy == SHARDED and isinstance(checkpoint_state, Checkpointer):
+        msg = (
+            "drive_distributed_training: strategy 'fsdp' writes checkpoints with every rank's "
+            "shards, through checkpoint_position: pass checkpoint_position=checkpointer.save_position "
+            "instead of checkpoint_state=checkpointer"
+        )
+        raise ConfigurationError(msg)
     check_root_arguments(nranks, control, init_position)
     emit = EventEmitter(reporters)
     start_epoch = init_state.loop_state.epoch if init_state is not None else 0
@@ -362,8 +451,9 @@ async def drive_distributed_training(
     module = model.module
     # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
     # answers the followers' handshakes, free meanwhile.
+    shards_from = _shards_on_disk(init_state, settings, nranks)
     optimizer, base_lrs = await anyio.to_thread.run_sync(
-        set_up_root, module, torch_device, optimizer_factory, init_state
+        set_up_root, module, torch_device, optimizer_factory, init_state if shards_from is None else None
     )
 
     async def connect() -> tuple[Any, str]:
@@ -391,6 +481,8 @@ async def drive_distributed_training(
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
         saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},
         extras=rank_extras(checkpoint_extras, 0, nranks),
+        best=init_state.best_model if init_state is not None else {},
+        shards_from=shards_from,
     )
     schedule_state = (
         learning_rate_schedule_init_state

@@ -16,6 +16,7 @@ from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
+from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
 from lamploop.loop.optimizer import make_optimizer
@@ -82,6 +83,7 @@ async def follow_distributed_training(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)
+    check_sharded_strategy("follow_distributed_training", settings, control=control)
     strategy = settings.strategy
     if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
         msg = (
@@ -124,6 +126,9 @@ async def follow_distributed_training(
 
         async def obey() -> None:
             async for command in commands:
+                # A sharded model's: the root's actions (best model, checkpoint, result) first.
+                if replica.sharded is not None and await replica.sharded.follow_point():
+                    return
                 if isinstance(command, Train):
                     try:
                         await replica.train(command.epoch, command.lr_factor)

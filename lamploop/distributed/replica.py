@@ -7,6 +7,7 @@ what runs next (the root's epoch loop, or the commands a follower receives).
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,6 +22,7 @@ from lamploop.distributed.boundaries import RankBoundary, SavePosition, StopRequ
 from lamploop.distributed.initial_sync import initial_sync, share_resume_point
 from lamploop.distributed.process_group import new_process_group
 from lamploop.distributed.rank_extras import RankExtras, SyncState
+from lamploop.distributed.sharded_rank import ShardedRank
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
 from lamploop.errors import ConfigurationError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
@@ -35,6 +37,7 @@ from lamploop.schedules.torch_scheduler import LR_SCHEDULER_KEY, make_lr_schedul
 from lamploop.settings import TrainingSettings
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 from lamploop.sync.collectives import AbortSignal, Collectives
+from lamploop.sync.fsdp import FullyShard
 from lamploop.sync.group_channel import ProcessGroupChannel
 from lamploop.sync.strategy import SyncStrategy, keeps_state, optimizer_state_per_rank
 
@@ -99,6 +102,8 @@ class Replica:
     step_times: StepTimes | None = attrs.field(init=False, default=None)
     # torch.profiler over the run's steps (see lamploop.loop.profiler), closed by open_replica.
     profiler: StepProfiler | None = attrs.field(init=False, default=None)
+    # A sharded model's rank (strategy fsdp): ``model`` is then its sharded twin of the caller's.
+    sharded: ShardedRank | None = None
 
     def __attrs_post_init__(self) -> None:
         # ``saved``: what a checkpoint kept beside the optimizer state (the root's, shared).
@@ -242,6 +247,8 @@ class RankPlan:
         train_batches, validation_batches: its stream factories.
         settings: the run's settings.
         extras: its checkpoint extras (see :mod:`lamploop.distributed.rank_extras`), if any.
+        best: the root's best model to resume with (a sharded model's: cut into every rank's shards).
+        shards_from: the root's sharded checkpoint that every rank loads its shards from.
     """
 
     rank: int
@@ -258,6 +265,8 @@ class RankPlan:
     resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
     saved: Mapping[str, Any] = attrs.field(factory=dict)
     extras: RankExtras | None = None
+    best: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+    shards_from: pathlib.Path | None = None
 
     def replica(
         self,
@@ -268,6 +277,7 @@ class RankPlan:
         resume_at: EpochPosition | None,
         saved: Mapping[str, Any],
         abort: AbortSignal,
+        sharded: ShardedRank | None = None,
     ) -> Replica:
         """The replica of this plan on ``channel``.
 
@@ -275,7 +285,7 @@ class RankPlan:
         no producer fills) would otherwise never reach the collective that notices the failure.
         """
         return Replica(
-            model=self.model,
+            model=self.model if sharded is None else attrs.evolve(self.model, module=sharded.module),
             channel=channel,
             train_batches=stop_aware_batches(self.train_batches, abort),
             validation_batches=self.validation_batches,
@@ -288,6 +298,7 @@ class RankPlan:
             resume_at=resume_at,
             saved=saved,
             extras=self.extras,
+            sharded=sharded,
         )
 
 
@@ -315,9 +326,15 @@ def _share_saved(
 
 
 _Joined = tuple[
-    ProcessGroupChannel, torch.optim.Optimizer | None, EpochPosition | None, bool, Mapping[str, Any]
+    ProcessGroupChannel,
+    torch.optim.Optimizer | None,
+    EpochPosition | None,
+    bool,
+    Mapping[str, Any],
+    ShardedRank | None,
 ]
-"""What a rank has once the ranks met: channel, optimizer, resume point, keep RNGs?, saved extras."""
+"""What a rank has once the ranks met: channel, optimizer, resume point, keep RNGs?, saved extras,
+and its sharded model's rank (strategy fsdp)."""
 
 
 def _boundary(plan: RankPlan, collectives: Collectives | None, keep_rngs: bool) -> RankBoundary:
@@ -394,6 +411,12 @@ async def open_replica(
             _check_fp16_strategy(settings, strategy)
             saved = _share_saved(collectives, settings, plan.saved)
             resume_at, keep_rngs = share_resume_point(collectives, plan.resume, plan.save is not None)
+            sharded = None
+            if isinstance(strategy, FullyShard):  # after the root's state reached every rank
+                sharded = ShardedRank.set_up(
+                    collectives, abort, strategy, module, optimizer, plan.best, plan.shards_from
+                )
+                optimizer = sharded.optimizer
             extras = (
                 plan.extras if plan.extras is not None else RankExtras({}, rank=plan.rank, nranks=plan.nranks)
             )
@@ -405,14 +428,17 @@ async def open_replica(
         except BaseException:
             collectives.abandon()  # the ranks failed to agree or a peer was lost while they met
             raise
-        return channel, optimizer, resume_at, keep_rngs, saved
+        return channel, optimizer, resume_at, keep_rngs, saved, sharded
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
-    channel, optimizer, resume_at, keep_rngs, saved = await run_on_worker(join, abort)
+    channel, optimizer, resume_at, keep_rngs, saved, sharded = await run_on_worker(join, abort)
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
-        replica = plan.replica(channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort)
+        boundary.shard_writer = sharded.writer if sharded is not None else None
+        replica = plan.replica(
+            channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort, sharded
+        )
         try:
             yield replica
         finally:

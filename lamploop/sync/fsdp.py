@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lamploop.errors import ConfigurationError
 from lamploop.sync.collectives import Collectives
-from lamploop.sync.strategy import GradientSync
+from lamploop.sync.strategy import GradientSync, register_strategy
 
 __all__ = [
     "FullyShard",
@@ -321,10 +321,21 @@ class FullyShard:
         return module
 
     def prepare(
-        self, collectives: Collectives, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self,
+        collectives: Collectives,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        names: Mapping[int, str] | None = None,
     ) -> torch.optim.Optimizer | None:
-        """Shard ``module`` and rebuild ``optimizer`` over its shards (the drivers' set-up hook)."""
-        names = {id(p): name for name, p in module.named_parameters()}
+        """Shard ``module`` and rebuild ``optimizer`` over its shards (the drivers' set-up hook).
+
+        ``names``: ``id()`` of each parameter ``optimizer`` holds to its name in ``module``
+        (default: ``module``'s own parameters; pass it when the optimizer was made over a
+        twin of ``module``, as the drivers do, see :mod:`lamploop.distributed.sharded_rank`).
+        """
+        if names is None:
+            names = {id(p): name for name, p in module.named_parameters()}
         self.shard(collectives, module)
         return rebuild_optimizer(optimizer, names, module) if optimizer is not None else None
 
@@ -343,8 +354,15 @@ class FullyShard:
         """
         if not modules or not is_sharded(modules[0]):
             msg = (
-                "strategy 'fsdp': shard the model first (FullyShard.shard(collectives, module)), "
-                "then make its optimizer over the shards"
+                "strategy 'fsdp': the model is not sharded. fit(strategy='fsdp', world_size=n) and "
+                "drive_/follow_distributed_training shard it (one process per rank); with "
+                "one_epoch, shard the model first (FullyShard.shard(collectives, module)), then "
+                "make its optimizer over the shards"
             )
             raise ConfigurationError(msg)
         return FullyShardedSync(parameters)
+
+
+# Registered here rather than in lamploop.sync's __init__ beside the others: importing the
+# sync package imports this module, so the name is there whenever a strategy is looked up.
+register_strategy(FullyShard())

@@ -19,6 +19,7 @@ from typing import Any
 
 from lamploop.checkpoint.format import DESCRIPTOR_NAME, LATEST_NAME
 from lamploop.checkpoint.load import read_descriptor
+from lamploop.checkpoint.sharded import is_sharded_checkpoint, sharded_model_spec
 from lamploop.checkpoint.verify import (
     CheckpointReport,
     CheckpointSummary,
@@ -50,11 +51,13 @@ inspect_checkpoint = verify_checkpoint
 def model_tensor_summary(checkpoint: Path) -> TensorSummary | None:
     """The model's tensors in the checkpoint directory ``checkpoint``, per top-level module.
 
-    Read from the descriptor's record of ``model.safetensors`` (names, shapes and dtypes: no
-    tensor file is read); parameters and buffers alike, as the checkpoint does not tell them
-    apart.  ``None`` when the descriptor is unreadable.
+    Read from the descriptor's record of ``model.safetensors``, or a sharded checkpoint's index
+    (names, full shapes and dtypes: no tensor file is read); parameters and buffers alike, as
+    the checkpoint does not tell them apart.  ``None`` when the record is unreadable.
     """
     try:
+        if is_sharded_checkpoint(checkpoint):  # the descriptor's record holds one rank's rows
+            return summarize_tensors(sharded_model_spec(checkpoint).tensors)
         descriptor = read_descriptor(checkpoint / DESCRIPTOR_NAME)
     except CheckpointError:
         return None

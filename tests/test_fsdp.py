@@ -44,6 +44,7 @@ from lamploop.checkpoint.sharded import (
     verify_sharded,
 )
 from lamploop.errors import CheckpointError, ConfigurationError
+from lamploop.inspection import model_tensor_summary
 from lamploop.modelspec import model_spec
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.fsdp import FullyShard
@@ -460,6 +461,11 @@ def test_fit_fsdp_checkpoints_are_sharded_verified_and_load_whole(fit_runs: Path
     _assert_close(checkpoint.state.best_model, _params(fit_runs / "fsdp"), "the checkpoint's best model")
     assert set(checkpoint.state.optimizer["state"]) == {0, 1, 2, 3}
     assert sharded_model_spec(report.path) == model_spec(fit_worker.module())  # read from the index
+    # lamploop inspect's model summary: the whole model's parameters, not one rank's rows.
+    whole = sum(p.numel() for p in fit_worker.module().state_dict().values())
+    summary = model_tensor_summary(report.path)
+    assert summary is not None
+    assert summary.elements == whole
     # What a resuming fsdp run of several ranks gets: the tensors stay for each rank to read its rows.
     left = load_checkpoint_leaving_shards(fit_runs / "fsdp-ck", model=fit_worker.module())
     assert isinstance(left.state.model, ShardsOnDisk)

@@ -43,7 +43,7 @@ def tests(session: nox.Session) -> None:
 def multinode(session: nox.Session) -> None:
     """Two hosts as network namespaces joined by a veth pair (needs root; skips with the reason otherwise)."""
     install(session, "test")
-    session.run("pytest", "tests/test_multinode.py", "-v", *session.posargs)
+    session.run("pytest", "tests/distributed/test_multinode.py", "-v", *session.posargs)
 
 
 @nox.session

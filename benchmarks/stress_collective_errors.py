@@ -22,7 +22,7 @@ what makes the race of the issue likely.  Printed: the count of each outcome per
 number of ranks, and the load average.  Exit status 1 when any run ended otherwise than
 expected.
 
-The test suite (``tests/test_collective_errors.py``) imports this module and runs a few of
+The test suite (``tests/sync/test_collective_errors.py``) imports this module and runs a few of
 these runs; this script runs many.
 """
 

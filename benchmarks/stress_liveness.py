@@ -31,8 +31,8 @@ during ``slow-step`` and ``checkpoint`` and, with ``--load-faults``, during ``fr
 ``link`` too.  Printed: per scenario the outcome and times (median and range), the load
 average.  Exit status 1 when any run ended otherwise than expected.
 
-``tests/test_liveness_defaults.py`` imports this module and runs short versions (a 12 s step
-under load); ``tests/test_reliability.py`` checks the 5 s bound for every fault.
+``tests/distributed/test_liveness_defaults.py`` imports this module and runs short versions (a 12 s step
+under load); ``tests/distributed/test_reliability.py`` checks the 5 s bound for every fault.
 """
 
 from __future__ import annotations

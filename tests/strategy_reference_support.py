@@ -1,4 +1,4 @@
-"""References for tests/test_strategy_references.py that lamploop did not write: PyTorch's own.
+"""References for tests/sync/test_strategy_references.py that lamploop did not write: PyTorch's own.
 
 Two parts:
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -25,3 +26,10 @@ def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, poll
             msg = f"{what}: not within {timeout:g} s"
             raise AssertionError(msg)
         time.sleep(poll)
+
+
+ROOT: Path = Path(__file__).resolve().parent.parent
+"""The repository's root (examples/, benchmarks/, docs/ and the package below it)."""
+
+WORKERS: Path = ROOT / "tests" / "workers"
+"""The scripts the multi-process tests start (tests/workers/)."""

@@ -11,7 +11,7 @@ see one model, the same on every rank.
 What it approximates: between averages the ranks drift apart on their own data; the
 average of the ranks' parameters is not the parameters a step on the averaged gradient
 gives, except for plain SGD with ``H = 1``, where both are ``p - lr * sum_r(n_r g_r) / N``
-(equal up to rounding: tests/test_local_sgd.py).  Optimizer state (momentum, Adam's
+(equal up to rounding: tests/sync/test_local_sgd.py).  Optimizer state (momentum, Adam's
 moments) stays per rank: each rank's optimizer sees only its own gradients.
 
 With an outer optimizer (:class:`OuterNesterov`, as in DiLoCo, Douillard et al. 2023) the

@@ -15,7 +15,7 @@ a QR of ``n x r`` and three thin matrix products per matrix; the error feedback 
 more copy of the compressed gradients per rank.  Tensors where the factors would not be
 :attr:`PowerSGD.min_compression_ratio` times smaller (biases, small layers) are
 all-reduced whole, in one flat buffer.  With ``r`` at least ``min(n, m)`` and every
-matrix compressed the sum is exact (up to rounding): tests/test_strategies_compression.py.
+matrix compressed the sum is exact (up to rounding): tests/sync/test_strategies_compression.py.
 
 Example weighting and the uneven-stream rule hold: the factors are sums like the
 gradients, scaled after; a rank with no batch sends its error feedback only.  The state

@@ -1,4 +1,4 @@
-"""A federated aggregator process, for tests/test_federated_faults.py (killed and resumed).
+"""A federated aggregator process, for tests/federated/test_federated_faults.py (killed and resumed).
 
     python tests/workers/federated_aggregator.py CONFIG_JSON
 

@@ -1,4 +1,4 @@
-"""One pipeline stage in its own process, for tests/test_pipeline.py.
+"""One pipeline stage in its own process, for tests/pipeline/test_pipeline.py.
 
     python tests/workers/pipeline_stage.py CONFIG.json RANK
 

@@ -1,4 +1,4 @@
-"""Two ranks trained by fit with a strategy that keeps state, for tests/test_sync_state.py.
+"""Two ranks trained by fit with a strategy that keeps state, for tests/sync/test_sync_state.py.
 
     python tests/workers/stateful_strategy.py STRATEGY CHECKPOINT_DIR MAX_EPOCHS
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import anyio
 import safetensors.torch
 import torch
+from test_federated import _assert_close, _sgd_steps
 
 from lamploop.errors import FederatedError, HandshakeError, PlanNotApprovedError
 from lamploop.federated import AggregatorSettings, OptimizerConfig, mlp, plan_hash, run_aggregator, save_plan
 from lamploop.federated.link import Link, join_aggregator
-from tests.test_federated import _assert_close, _sgd_steps
 from tests.workers.federated_harness import (
     TOKEN,
     free_port,

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from support import free_port
+from support import ROOT, free_port
 
 import lamploop
 from lamploop.errors import NonFiniteLossError, TrainingInterrupted
@@ -30,7 +30,7 @@ from lamploop.reporting import events as ev
 from lamploop.reporting import sampler
 from tests.workers import events_fit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 
 
 class Recorder:

@@ -121,7 +121,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     procs.wait_for_file(workdir / "disturbed" / "progress.json", 60, alive=everyone)
                 with socket.create_connection(address, timeout=5) as sock:
                     # After the challenge, as a follower would: a stranger that speaks first
-                    # is closed before any handshake (tests/test_control_hostile.py).
+                    # is closed before any handshake (tests/control/test_control_hostile.py).
                     challenge = _first_message(sock, 10.0)
                     sock.sendall(data)
                     messages, closed_after = _read_until_closed(sock, 10.0)

@@ -26,7 +26,7 @@ import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import free_port
+from support import ROOT, free_port
 from workers import pipeline_stage as stage_worker  # tests/ is on sys.path (conftest.py's folder)
 from workers import rank as worker
 
@@ -48,7 +48,7 @@ from lamploop.schedules import decrement
 from lamploop.state import LearningCurveEntry, LoopState, LoopStateWithModelAndOptimizerData, converter
 
 ATOL = 1e-6
-ROOT = Path(__file__).resolve().parent.parent  # the stage processes import lamploop from here
+ROOT = ROOT  # the stage processes import lamploop from here
 KILL_TIMEOUT_S = 60.0  # the group's timeout in the kill run: the failure must come long before it
 FREEZE_TIMEOUT_S = 5.0  # the group's timeout in the freeze run: the failure comes with it
 RUNS = [

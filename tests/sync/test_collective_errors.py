@@ -21,11 +21,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import anyio
 import pytest
 import torch
+from support import ROOT
 
 import lamploop
 from lamploop.batches import BatchContext
@@ -45,7 +45,7 @@ from lamploop.errors import (
 from lamploop.modelspec import model_spec
 from lamploop.transport import supervisor as _supervisor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import stress_collective_errors as stress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

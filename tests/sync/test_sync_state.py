@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import ROOT, WORKERS
 
 from lamploop.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "workers" / "stateful_strategy.py"
+ROOT = ROOT
+WORKER = WORKERS / "stateful_strategy.py"
 
 
 def _start(strategy: str, directory: Path, max_epochs: int) -> subprocess.Popen[str]:

@@ -6,7 +6,7 @@ SGD, on uneven streams: with ``H = 1`` and plain averaging the average of the ra
 parameters after their own steps is the parameters of one step on the example-weighted
 gradient, which is what ``all_reduce`` computes, up to rounding.  The other tests drive
 :class:`~lamploop.sync.local_sgd.LocalSGDSync` directly on threads (see
-tests/test_strategies_compression.py's ``run_ranks``).
+tests/sync/test_strategies_compression.py's ``run_ranks``).
 """
 
 from __future__ import annotations

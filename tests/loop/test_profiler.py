@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from support import free_port
+from support import ROOT, free_port
 
 import lamploop
 from lamploop import SupervisedModel, one_epoch
@@ -37,7 +37,7 @@ from lamploop.state import LearningCurveEntry, LoopState
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 BATCH = 8
 
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 
 
 @pytest.mark.timeout(100)

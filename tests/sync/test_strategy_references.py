@@ -35,7 +35,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -50,6 +49,7 @@ from strategy_reference_support import (
     run_references,
     step_plan,
 )
+from support import ROOT
 from torch import nn
 
 import lamploop
@@ -63,7 +63,7 @@ CONVERGENCE_EPOCHS = 10
 ACCURACY_POINTS = 0.02
 CONSERVATION_ATOL = 1e-6
 BF16_UNIT, FP16_UNIT = 2.0**-8, 2.0**-11
-REPO = Path(__file__).resolve().parent.parent
+REPO = ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two reference processes, ~40 CPU-seconds in all
 
@@ -533,7 +533,7 @@ def test_fp16_never_resends_at_full_width_at_the_first_step_of_a_pass(
     docs/strategies.md: fp16 "overflowing buckets are resent in 32 bits".  That happens when
     a gradient times the factor (from 2^16) over the ranks overflows 65504; gradients of the
     step's mean loss here are far below that.  The count of resent buckets is read from the
-    sync's ``fallbacks`` (the attribute tests/test_strategies_compression.py reads; the docs
+    sync's ``fallbacks`` (the attribute tests/sync/test_strategies_compression.py reads; the docs
     do not name it).
     """
     events = sixteen_bit_runs["fallbacks"]  # (rank, pass, step, buckets resent by that reduce)

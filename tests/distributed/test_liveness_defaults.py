@@ -14,7 +14,7 @@ Every survivor's process then exits (within :data:`EXITED_WITHIN_S` of the fault
 And checkpoint files are written without holding the GIL for their bytes (a 2 GiB checkpoint
 serialized by ``safetensors.torch.save`` starved the root's event loop for 8.6 s under that
 load).  Real processes of ``benchmarks/stress_liveness.py`` (which runs the long versions: a 60 s
-step, a 10 s checkpoint write, every fault five times); ``tests/test_reliability.py`` checks
+step, a 10 s checkpoint write, every fault five times); ``tests/distributed/test_reliability.py`` checks
 the same 5 s bound for killed, frozen and cut-off ranks on an unloaded machine.
 """
 
@@ -29,8 +29,9 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from support import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import stress_liveness as stress
 
 from lamploop.checkpoint.files import _write_tensors

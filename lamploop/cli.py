@@ -97,28 +97,36 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N,N",
         help="widths of the hidden layers (default: 128,64)",
     )
-    demo.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _verbose_flag(demo)
     inspect = commands.add_parser(
         "inspect",
         help="show a checkpoint's state, learning curve and files, checking every file",
         description="Check every file of a checkpoint (or of every checkpoint of a run directory) "
         "and print its state, learning curve and files. Exits 1 when anything is wrong.",
     )
-    inspect.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint or run directory")
-    inspect.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _checkpoint_argument(inspect)
+    _verbose_flag(inspect)
     plot = commands.add_parser(
         "plot",
         help="draw a checkpoint's learning curve into a PNG (needs matplotlib)",
         description="Draw the learning curve of a checkpoint into a PNG. "
         'Needs matplotlib: pip install "lamploop[plot]".',
     )
-    plot.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint or run directory")
+    _checkpoint_argument(plot)
     plot.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
     plot.add_argument("--title", help="the figure's title (default: the checkpoint's path)")
-    plot.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _verbose_flag(plot)
     _lr_find_parser(commands)
     _federated_parser(commands)
     return parser
+
+
+def _verbose_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+
+
+def _checkpoint_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint or run directory")
 
 
 def _lr_find_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -152,7 +160,7 @@ def _lr_find_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     lr_find.add_argument(
         "-o", "--output", type=Path, help="also draw the losses into this PNG (needs matplotlib)"
     )
-    lr_find.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _verbose_flag(lr_find)
 
 
 def _federated_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -170,7 +178,7 @@ def _federated_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     approve.add_argument(
         "--allow-list", type=Path, required=True, metavar="FILE", help="the node's allow-list (JSON)"
     )
-    approve.add_argument("-v", "--verbose", action="store_true", help="log lamploop's own messages too")
+    _verbose_flag(approve)
 
 
 def _federated(args: argparse.Namespace) -> int:

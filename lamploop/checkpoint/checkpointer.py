@@ -60,19 +60,9 @@ class Checkpointer:
 
     async def __call__(self, state: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
         """Save ``state`` and ``schedule_state``; see :func:`save_checkpoint` for what it raises."""
-        save = functools.partial(
-            save_checkpoint,
-            self.directory,
-            state,
-            schedule_state=schedule_state,
-            keep_last=self.keep_last,
-            # Captured here, in the caller's thread and at the moment of the call: other tasks
-            # may draw random numbers while the worker thread writes.
-            rng=RngStates.capture(),
-            extras=capture_extras(self.extras),
-        )
-        async with self._lock:
-            self.last_path = await anyio.to_thread.run_sync(save)
+        # Captured here, in the caller's thread and at the moment of the call: other tasks
+        # may draw random numbers while the worker thread writes.
+        await self._save(state, schedule_state, rng=RngStates.capture())
 
     async def save_position(
         self,
@@ -86,15 +76,33 @@ class Checkpointer:
         ``rank_rngs`` are every rank's RNG states there, rank 0's first.  Step 0 is the
         start of ``position.epoch``: saved as an epoch-boundary checkpoint, with the RNG states.
         """
+        await self._save(
+            state,
+            schedule_state,
+            rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
+            position=position if position.steps_done > 0 else None,
+            rank_rngs=tuple(rank_rngs[1:]),
+        )
+
+    async def _save(
+        self,
+        state: LoopStateWithModelAndOptimizerData,
+        schedule_state: Any,
+        *,
+        rng: RngStates,
+        position: EpochPosition | None = None,
+        rank_rngs: tuple[RngStates, ...] = (),
+    ) -> None:
+        # The extras too are captured in the caller's thread, before the worker thread writes.
         save = functools.partial(
             save_checkpoint,
             self.directory,
             state,
             schedule_state=schedule_state,
             keep_last=self.keep_last,
-            rng=rank_rngs[0] if rank_rngs else RngStates.capture(),
-            position=position if position.steps_done > 0 else None,
-            rank_rngs=tuple(rank_rngs[1:]),
+            rng=rng,
+            position=position,
+            rank_rngs=rank_rngs,
             extras=capture_extras(self.extras),
         )
         async with self._lock:

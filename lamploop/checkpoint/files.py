@@ -172,6 +172,28 @@ def checkpoint_directories(root: pathlib.Path) -> list[pathlib.Path]:
     return [p for p in root.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
 
 
+def is_one_checkpoint(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a checkpoint directory itself (``False``: a run directory holding some).
+
+    Raises:
+        CheckpointError: ``path`` does not exist or is not a directory.
+    """
+    if not path.exists():
+        msg = f"{path}: no such checkpoint directory"
+        raise CheckpointError(msg)
+    if not path.is_dir():
+        msg = f"{path}: not a directory (expected a checkpoint directory or a run directory holding them)"
+        raise CheckpointError(msg)
+    return (path / DESCRIPTOR_NAME).exists() or _CHECKPOINT_NAME.fullmatch(path.name) is not None
+
+
+def no_checkpoint_here(root: pathlib.Path) -> CheckpointError:
+    """The error for a run directory ``root`` in which no checkpoint is found."""
+    return CheckpointError(
+        f"{root}: no checkpoint here: no {DESCRIPTOR_NAME}, no '{LATEST_NAME}', no epoch-* directory"
+    )
+
+
 def read_latest(root: pathlib.Path) -> tuple[str | None, str | None]:
     """The checkpoint name ``<root>/latest`` holds, and what is wrong with the pointer.
 

@@ -18,13 +18,14 @@ from lamploop.checkpoint.codec import decode_tree
 from lamploop.checkpoint.extras import ExtraState, extra_file
 from lamploop.checkpoint.files import (
     checkpoint_directories,
+    is_one_checkpoint,
     newest_complete,
+    no_checkpoint_here,
     read_json_object,
     read_latest,
     saved_at,
 )
 from lamploop.checkpoint.format import (
-    _CHECKPOINT_NAME,
     AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
@@ -126,18 +127,11 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> pathlib.Path:
         CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
     """
     p = pathlib.Path(path)
-    if not p.exists():
-        msg = f"{p}: no such checkpoint directory"
-        raise CheckpointError(msg)
-    if not p.is_dir():
-        msg = f"{p}: not a directory (expected a checkpoint directory or the root holding '{LATEST_NAME}')"
-        raise CheckpointError(msg)
-    if (p / DESCRIPTOR_NAME).exists() or _CHECKPOINT_NAME.fullmatch(p.name):
+    if is_one_checkpoint(p):
         return p
     found = latest_checkpoint(p)
     if found is None:
-        msg = f"{p}: no checkpoint here: no {DESCRIPTOR_NAME}, no '{LATEST_NAME}', no epoch-* directory"
-        raise CheckpointError(msg)
+        raise no_checkpoint_here(p)
     return found
 
 
@@ -308,15 +302,20 @@ def _load(
     raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
 
 
+def _require_fit(file: pathlib.Path, saved: ModelSpec, model: ModelSpec) -> None:
+    """``file``'s tensors (``saved``) are the given model's, else a CheckpointError naming the difference."""
+    problem = describe_mismatch(saved, model, expected_label="checkpoint", actual_label="model")
+    if problem is not None:
+        msg = f"{file}: does not fit the given model: {problem}"
+        raise CheckpointError(msg)
+
+
 def _check_fits(directory: pathlib.Path, descriptor: _Descriptor, actual: ModelSpec) -> None:
     """The checkpoint's model (and best model, if any) have the given model's tensors."""
     for file, spec in ((MODEL_FILE, descriptor.model_spec), (BEST_MODEL_FILE, descriptor.best_model_spec)):
         if file == BEST_MODEL_FILE and not spec.tensors:
             continue
-        problem = describe_mismatch(spec, actual, expected_label="checkpoint", actual_label="model")
-        if problem is not None:
-            msg = f"{directory / file}: does not fit the given model: {problem}"
-            raise CheckpointError(msg)
+        _require_fit(directory / file, spec, actual)
 
 
 def _read_sharded(
@@ -337,12 +336,7 @@ def _read_sharded(
         if set(order) == set(full):
             full = {name: full[name] for name in order}
             best = {name: best[name] for name in order} if set(best) == set(order) else best
-        problem = describe_mismatch(
-            model_spec(full), expected, expected_label="checkpoint", actual_label="model"
-        )
-        if problem is not None:
-            msg = f"{directory / SHARDED_INDEX}: does not fit the given model: {problem}"
-            raise CheckpointError(msg)
+        _require_fit(directory / SHARDED_INDEX, model_spec(full), expected)
     return full, {**optimizer, **beside}, best
 
 
@@ -358,10 +352,7 @@ def _check_shards(
     # The index lists parameters, then buffers: compared by name, not in the state dict's order.
     saved = ModelSpec(tuple(sorted(sharded_model_spec(directory).tensors, key=lambda t: t.name)))
     expected = ModelSpec(tuple(sorted(model_spec(model).tensors, key=lambda t: t.name)))
-    problem = describe_mismatch(saved, expected, expected_label="checkpoint", actual_label="model")
-    if problem is not None:
-        msg = f"{directory / SHARDED_INDEX}: does not fit the given model: {problem}"
-        raise CheckpointError(msg)
+    _require_fit(directory / SHARDED_INDEX, saved, expected)
 
 
 def _load_directory(

@@ -31,7 +31,13 @@ from typing import Final
 import attrs
 
 from lamploop.checkpoint.extras import extra_file
-from lamploop.checkpoint.files import checkpoint_directories, read_latest, saved_at
+from lamploop.checkpoint.files import (
+    checkpoint_directories,
+    is_one_checkpoint,
+    no_checkpoint_here,
+    read_latest,
+    saved_at,
+)
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
     AVERAGED_MODEL_FILE,
@@ -278,19 +284,12 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
     """
     p = Path(path)
-    if not p.exists():
-        msg = f"{p}: no such checkpoint directory"
-        raise CheckpointError(msg)
-    if not p.is_dir():
-        msg = f"{p}: not a directory (expected a checkpoint directory or a run directory)"
-        raise CheckpointError(msg)
-    if (p / DESCRIPTOR_NAME).exists() or _CHECKPOINT_NAME.fullmatch(p.name):
+    if is_one_checkpoint(p):
         checked = _check_directory(p, is_latest=False)
         return _report(checked, None, (checked,), [], [])
     directories = checkpoint_directories(p)
     if not directories:
-        msg = f"{p}: no checkpoint here: no {DESCRIPTOR_NAME}, no '{LATEST_NAME}', no epoch-* directory"
-        raise CheckpointError(msg)
+        raise no_checkpoint_here(p)
     latest, problems, notes = _read_latest(p)
     directories.sort(key=_position_key)
     all_checked = [_check_directory(d, is_latest=d.name == latest) for d in directories]

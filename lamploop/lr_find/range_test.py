@@ -20,6 +20,7 @@ from lamploop.arguments import check_batch_factory, check_model, check_optimizer
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checks import check_int, check_positive
 from lamploop.distributed.drive import OptimizerFactory
+from lamploop.distributed.placement import checked_device
 from lamploop.errors import ConfigurationError, NonFiniteLossError
 from lamploop.loop.epoch_pass import one_epoch
 from lamploop.loop.forward import device_of
@@ -164,15 +165,7 @@ async def lr_find_async(
 def _device(device: torch.device | str | None, module: torch.nn.Module) -> torch.device:
     if device is None:
         return device_of(module)
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        msg = f"lr_find: device {device!r} is not a device torch knows ({exc})"
-        raise ConfigurationError(msg) from None
-    if target.type == "cuda" and not torch.cuda.is_available():
-        msg = f"lr_find: device={str(device)!r}, but CUDA is not available here; pass device='cpu'"
-        raise ConfigurationError(msg)
-    return target
+    return checked_device(device, "lr_find")
 
 
 lr_find = blocking(lr_find_async)

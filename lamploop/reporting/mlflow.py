@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lamploop.errors import ConfigurationError, MissingDependencyError
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     CheckpointWritten,
     EpochFinished,
@@ -33,7 +33,9 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
+from lamploop.reporting.extras import require_extra
 from lamploop.reporting.global_step import GlobalStep
+from lamploop.reporting.scalars import epoch_scalars, progress_scalars
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -125,11 +127,7 @@ class MlflowReporter:
         log_checkpoint: bool = True,
         close_timeout: float = 300.0,
     ) -> None:
-        try:
-            import mlflow  # noqa: F401 (fail here, not at the first event)
-        except ImportError as exc:
-            msg = 'MlflowReporter needs mlflow: pip install "lamploop[mlflow]"'
-            raise MissingDependencyError(msg) from exc
+        require_extra("MlflowReporter", "mlflow", "mlflow")
         if not close_timeout > 0:
             msg = f"MlflowReporter: close_timeout must be > 0, got {close_timeout!r}"
             raise ConfigurationError(msg)
@@ -226,15 +224,11 @@ class MlflowReporter:
         self.start()
         step = self._steps.see(event)
         if isinstance(event, ProgressSampled):
-            values = {"perf/examples_per_second": event.examples_per_second}
-            if event.loss is not None:
-                values["train/loss_sampled"] = event.loss
-            if event.steps > 0:
-                values["perf/step_seconds"] = event.seconds_per_step
-                values["perf/communication_seconds"] = event.communication_seconds_per_step
-            self._log_metrics(values, step, event.time)
+            self._log_metrics(progress_scalars(event), step, event.time)
         elif isinstance(event, EpochFinished):
-            self._epoch_finished(event, step)
+            epoch = event.state.learning_curve[-1].epoch
+            self._log_metrics(epoch_scalars(event), epoch, event.time)
+            self._log_metrics({"epoch": float(epoch)}, step, event.time)
         elif isinstance(event, CheckpointWritten):
             self._log_metrics({"checkpoint/seconds": event.seconds}, step, event.time)
             if event.path is not None:
@@ -248,22 +242,6 @@ class MlflowReporter:
             self._end("KILLED", {"lamploop.stop_reason": event.reason})
         elif isinstance(event, RunFailed):
             self._end("FAILED", {"lamploop.error": event.error[:5000]})
-
-    def _epoch_finished(self, event: EpochFinished, step: int) -> None:
-        entry = event.state.learning_curve[-1]
-        values = {"train/loss": entry.training_loss}
-        if entry.validation_loss is not None:
-            values["validation/loss_smoothed"], values["validation/loss"] = entry.validation_loss
-        for name, value in entry.training_metrics.items():
-            values[f"train/{name}"] = value
-        for name, (smoothed, raw) in entry.validation_metrics.items():
-            values[f"validation/{name}"] = raw
-            values[f"validation/{name}_smoothed"] = smoothed
-        if entry.learning_rate_factor is not None:
-            values["schedule/learning_rate_factor"] = entry.learning_rate_factor
-        values["perf/epoch_seconds"] = event.seconds
-        self._log_metrics(values, entry.epoch, event.time)
-        self._log_metrics({"epoch": float(entry.epoch)}, step, event.time)
 
     def _log_metrics(self, values: Mapping[str, float], step: int, at: float) -> None:
         from mlflow.entities import Metric

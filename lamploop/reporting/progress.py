@@ -30,7 +30,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from lamploop.errors import ConfigurationError, MissingDependencyError
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     EpochFinished,
     EpochStarted,
@@ -42,6 +42,7 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
+from lamploop.reporting.extras import require_extra
 from lamploop.reporting.logging_reporter import (
     describe_epoch,
     describe_run_started,
@@ -137,12 +138,9 @@ class ProgressReporter:
         terminal: bool | None = None,
         refresh_per_second: float | None = None,
     ) -> None:
-        try:
-            import rich  # noqa: F401  (the submodules below may be cached while rich is not)
-            from rich.console import Console
-        except ImportError as exc:
-            msg = 'ProgressReporter needs rich: pip install "lamploop[progress]"'
-            raise MissingDependencyError(msg) from exc
+        require_extra("ProgressReporter", "rich", "progress", "rich.console")
+        from rich.console import Console
+
         if refresh_per_second is not None and not refresh_per_second > 0:
             msg = f"ProgressReporter: refresh_per_second must be > 0, got {refresh_per_second!r}"
             raise ConfigurationError(msg)

@@ -38,6 +38,7 @@ from lamploop.reporting.events import (
     RunStopped,
     ValidationFinished,
 )
+from lamploop.reporting.extras import require_extra
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -135,11 +136,7 @@ class PrometheusReporter:
         namespace: str = "lamploop",
     ) -> None:
         """Check the port, make every gauge and counter (absent until measured), and start serving."""
-        try:
-            import prometheus_client  # noqa: F401 (fail here, not at the first event)
-        except ImportError as exc:
-            msg = 'PrometheusReporter needs prometheus_client: pip install "lamploop[prometheus]"'
-            raise MissingDependencyError(msg) from exc
+        require_extra("PrometheusReporter", "prometheus_client", "prometheus")
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:

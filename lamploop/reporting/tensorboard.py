@@ -18,10 +18,11 @@ its own, ``epoch``: per-step and per-epoch curves share one x axis.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lamploop.errors import ConfigurationError, MissingDependencyError
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     CheckpointWritten,
     EpochFinished,
@@ -30,7 +31,9 @@ from lamploop.reporting.events import (
     IngestionSampled,
     ProgressSampled,
 )
+from lamploop.reporting.extras import require_extra
 from lamploop.reporting.global_step import GlobalStep
+from lamploop.reporting.scalars import epoch_scalars, progress_scalars
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -77,12 +80,7 @@ class TensorBoardReporter:
     """
 
     def __init__(self, log_dir: str | Path, *, flush_secs: float = 10) -> None:
-        try:
-            import tensorboard  # noqa: F401  (torch.utils.tensorboard may be cached without it)
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError as exc:
-            msg = 'TensorBoardReporter needs tensorboard: pip install "lamploop[tensorboard]"'
-            raise MissingDependencyError(msg) from exc
+        require_extra("TensorBoardReporter", "tensorboard", "tensorboard", "torch.utils.tensorboard")
         if not flush_secs > 0:
             msg = f"TensorBoardReporter: flush_secs must be > 0, got {flush_secs!r}"
             raise ConfigurationError(msg)
@@ -104,32 +102,12 @@ class TensorBoardReporter:
         if self._closed:
             return
         if isinstance(event, ProgressSampled):
-            add, step = self._get_writer().add_scalar, self._steps.see(event)
-            add("epoch", event.epoch, step, event.time)
-            if event.loss is not None:
-                add("train/loss_sampled", event.loss, step, event.time)
-            add("perf/examples_per_second", event.examples_per_second, step, event.time)
-            if event.steps > 0:
-                add("perf/step_seconds", event.seconds_per_step, step, event.time)
-                add("perf/communication_seconds", event.communication_seconds_per_step, step, event.time)
-        elif isinstance(event, EpochFinished):
-            writer = self._get_writer()
-            add, entry = writer.add_scalar, event.state.learning_curve[-1]
             step = self._steps.see(event)
-            add("epoch", entry.epoch, step, event.time)
-            add("train/loss", entry.training_loss, step, event.time)
-            if entry.validation_loss is not None:
-                smoothed, raw = entry.validation_loss
-                add("validation/loss", raw, step, event.time)
-                add("validation/loss_smoothed", smoothed, step, event.time)
-            for name, value in entry.training_metrics.items():
-                add(f"train/{name}", value, step, event.time)
-            for name, (smoothed, raw) in entry.validation_metrics.items():
-                add(f"validation/{name}", raw, step, event.time)
-                add(f"validation/{name}_smoothed", smoothed, step, event.time)
-            if entry.learning_rate_factor is not None:
-                add("schedule/learning_rate_factor", entry.learning_rate_factor, step, event.time)
-            add("perf/epoch_seconds", event.seconds, step, event.time)
+            self._add(self._get_writer(), {"epoch": event.epoch, **progress_scalars(event)}, step, event.time)
+        elif isinstance(event, EpochFinished):
+            writer, step = self._get_writer(), self._steps.see(event)
+            epoch = event.state.learning_curve[-1].epoch
+            self._add(writer, {"epoch": epoch, **epoch_scalars(event)}, step, event.time)
             writer.flush()
         elif isinstance(event, CheckpointWritten):
             step = self._steps.see(event)
@@ -144,6 +122,11 @@ class TensorBoardReporter:
             add(f"{prefix}/put_seconds", event.put_seconds_mean, step, event.time)
             add(f"{prefix}/buffer_fill", event.fill / event.capacity, step, event.time)
             add(f"{prefix}/reads", event.reads, step, event.time)
+
+    @staticmethod
+    def _add(writer: SummaryWriter, values: Mapping[str, float], step: int, at: float) -> None:
+        for name, value in values.items():
+            writer.add_scalar(name, value, step, at)
 
     def close(self) -> None:
         """Flush and close the event file (calling it again does nothing)."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lamploop.errors import ConfigurationError, MissingDependencyError
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     CheckpointWritten,
     EpochFinished,
@@ -36,7 +36,9 @@ from lamploop.reporting.events import (
     RunStarted,
     RunStopped,
 )
+from lamploop.reporting.extras import require_extra
 from lamploop.reporting.global_step import GlobalStep
+from lamploop.reporting.scalars import epoch_scalars, progress_scalars
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
@@ -123,11 +125,7 @@ class WandbReporter:
         resume: bool | Literal["allow", "never", "must", "auto"] | None = None,
         settings: Any = None,
     ) -> None:
-        try:
-            import wandb  # noqa: F401 (fail here, not at the first event)
-        except ImportError as exc:
-            msg = 'WandbReporter needs wandb: pip install "lamploop[wandb]"'
-            raise MissingDependencyError(msg) from exc
+        require_extra("WandbReporter", "wandb", "wandb")
         self.project = project
         self.mode = mode
         self.dir = Path(dir) if dir is not None else None
@@ -181,27 +179,11 @@ class WandbReporter:
         assert run is not None
         step = self._steps.see(event)
         if isinstance(event, ProgressSampled):
-            values = {"perf/examples_per_second": event.examples_per_second}
-            if event.loss is not None:
-                values["train/loss_sampled"] = event.loss
-            if event.steps > 0:
-                values["perf/step_seconds"] = event.seconds_per_step
-                values["perf/communication_seconds"] = event.communication_seconds_per_step
-            self._log(run, values, "global_step", {"global_step": step, "epoch": event.epoch})
+            axes = {"global_step": step, "epoch": event.epoch}
+            self._log(run, progress_scalars(event), "global_step", axes)
         elif isinstance(event, EpochFinished):
-            entry = event.state.learning_curve[-1]
-            values = {"train/loss": entry.training_loss}
-            if entry.validation_loss is not None:
-                values["validation/loss_smoothed"], values["validation/loss"] = entry.validation_loss
-            for name, value in entry.training_metrics.items():
-                values[f"train/{name}"] = value
-            for name, (smoothed, raw) in entry.validation_metrics.items():
-                values[f"validation/{name}"] = raw
-                values[f"validation/{name}_smoothed"] = smoothed
-            if entry.learning_rate_factor is not None:
-                values["schedule/learning_rate_factor"] = entry.learning_rate_factor
-            values["perf/epoch_seconds"] = event.seconds
-            self._log(run, values, "epoch", {"epoch": entry.epoch, "global_step": step})
+            axes = {"epoch": event.state.learning_curve[-1].epoch, "global_step": step}
+            self._log(run, epoch_scalars(event), "epoch", axes)
         elif isinstance(event, CheckpointWritten):
             self._log(run, {"checkpoint/seconds": event.seconds}, "global_step", {"global_step": step})
         elif isinstance(event, RunStarted):

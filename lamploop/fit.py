@@ -27,6 +27,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+import anyio
 import attrs
 import torch
 
@@ -76,7 +77,15 @@ from lamploop.settings import (
     TrainingSettings,
 )
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
-from lamploop.stopping import blocking, reported_run, share_stop_requests, stop_on_signals, stop_request
+from lamploop.stopping import (
+    blocking,
+    reported_run,
+    share_stop_requests,
+    stop_if_requested_before_training,
+    stop_on_signals,
+    stop_request,
+    stopped_at_once,
+)
 
 __all__ = ["AUTO_DEVICE", "fit", "fit_async"]
 
@@ -95,7 +104,7 @@ class _Job:
     model: SupervisedModel
     optimizer_factory: OptimizerFactory
     train_batches: BatchStreamFactory  # stop-aware: a stop ends a wait for samples
-    validation_batches: BatchStreamFactory | None
+    validation_batches: BatchStreamFactory | None  # stop-aware too: a validation cut short is discarded
     settings: TrainingSettings
     placement: Placement
     spec: ModelSpec
@@ -225,67 +234,88 @@ async def fit_async(
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
     progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from
-    which the next run resumes exactly there.  A second signal stops at once.
+    which the next run resumes exactly there.  During a validation pass the run stops at the
+    epoch's end, after its checkpoint (a validation stream that waits for samples ends on the
+    request, and the validation cut short is discarded: the epoch is not finished).  Before
+    training starts (checking the arguments, restoring the checkpoint) the run stops once the
+    checkpoint is restored, writing nothing.  A second signal stops at once.
 
     Raises:
         lamploop.errors.LamploopError: any of its subclasses, see the parts above; a lost
             rank is a :class:`~lamploop.errors.PeerLostError` naming it.
         lamploop.errors.TrainingInterrupted: stopped by a signal (``reason`` names it).
     """
-    # Check: every argument, before anything starts.
-    check_model("fit", model)
-    check_optimizer_factory("fit", optimizer_factory)
-    check_batch_factory("fit", "train_batches", train_batches)
-    check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
-    check_reporters("fit", reporters)
-    check_early_stopping("fit", early_stopping_patience, validation_batches)
-    settings = TrainingSettings.from_arguments(locals())
-    check_sharded_strategy("fit", settings)  # before any rank starts
-    extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
-    # Place: this process's rank and device.
-    placement = place(world_size, device)
-    if placement.nranks > 1:  # one rank syncs nothing: its strategy keeps no state
-        check_stateful_strategy("fit", settings, extras)
-    if placement.env is None and placement.nranks > 1 and launch_command is None:
-        launch_command = default_launch_command(placement.nranks)
+    # SIGTERM and SIGINT are stop requests from the first line on: one handler for the whole
+    # call (a second stop_on_signals inside would set their actions back to the defaults on
+    # leaving).  Until training starts a request is looked at once the checkpoint is restored.
     stop = stop_request()
-    job = _Job(
-        model=model,
-        optimizer_factory=optimizer_factory,
-        train_batches=stop_aware_batches(train_batches, stop),
-        validation_batches=validation_batches,
-        settings=settings,
-        placement=placement,
-        spec=model_spec(model.module),
-        heartbeat=_Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout),
-        stop=stop,
-        extras=extras,
-        checkpoint_dir=checkpoint_dir,
-        resume=resume,
-    )
-    # Follow (a rank the launcher started) or resume (the root), then run.
-    if placement.rank > 0:
-        try:
-            await _follow(job)
-        finally:
-            close_all(reporters or ())  # the same script's reporters: a follower reports nothing
-        return None
-    resumed = resume_root(
-        checkpoint_dir,
-        resume,
-        settings.learning_rate_schedule,
-        model.module,
-        extras,
-        reserved=SYNC_EXTRA,
-        nranks=placement.nranks,  # a sharded run's checkpoint reshards to any number
-        leave_shards=settings.strategy == "fsdp" and placement.nranks > 1,  # each rank reads its rows
-    )
-    listeners = list(reporters) if reporters is not None else [_default_reporter()]
-    try:
-        start_all(listeners)
-        return await _lead(job, resumed, listeners, keep_last, on_epoch, launch_command)
-    finally:
-        close_all(listeners)
+    state: LoopState | None = None
+    follower = False
+    async with stop_on_signals(stop) as at_once:
+        # Check: every argument, before anything starts.
+        check_model("fit", model)
+        check_optimizer_factory("fit", optimizer_factory)
+        check_batch_factory("fit", "train_batches", train_batches)
+        check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
+        check_reporters("fit", reporters)
+        check_early_stopping("fit", early_stopping_patience, validation_batches)
+        settings = TrainingSettings.from_arguments(locals())
+        check_sharded_strategy("fit", settings)  # before any rank starts
+        extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
+        # Place: this process's rank and device.
+        placement = place(world_size, device)
+        if placement.nranks > 1:  # one rank syncs nothing: its strategy keeps no state
+            check_stateful_strategy("fit", settings, extras)
+        if placement.env is None and placement.nranks > 1 and launch_command is None:
+            launch_command = default_launch_command(placement.nranks)
+        job = _Job(
+            model=model,
+            optimizer_factory=optimizer_factory,
+            train_batches=stop_aware_batches(train_batches, stop),
+            validation_batches=(
+                stop_aware_batches(validation_batches, stop) if validation_batches is not None else None
+            ),
+            settings=settings,
+            placement=placement,
+            spec=model_spec(model.module),
+            heartbeat=_Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout),
+            stop=stop,
+            extras=extras,
+            checkpoint_dir=checkpoint_dir,
+            resume=resume,
+        )
+        # Follow (a rank the launcher started) or resume (the root), then run.
+        if placement.rank > 0:
+            follower = True
+            try:
+                await _follow(job)
+            finally:
+                close_all(reporters or ())  # the same script's reporters: a follower reports nothing
+        else:
+            resumed = resume_root(
+                checkpoint_dir,
+                resume,
+                settings.learning_rate_schedule,
+                model.module,
+                extras,
+                reserved=SYNC_EXTRA,
+                nranks=placement.nranks,  # a sharded run's checkpoint reshards to any number
+                leave_shards=settings.strategy == "fsdp" and placement.nranks > 1,  # each rank reads its rows
+            )
+            await stop_if_requested_before_training(stop, _resumed_epoch(resumed))
+            listeners = list(reporters) if reporters is not None else [_default_reporter()]
+            try:
+                start_all(listeners)
+                state = await _lead(job, resumed, listeners, keep_last, on_epoch, launch_command, at_once)
+            finally:
+                close_all(listeners)
+    if at_once.cancelled_caught and not follower:  # a follower stopped at once ends quietly
+        raise stopped_at_once(stop)
+    return state
+
+
+def _resumed_epoch(resumed: Resumed | None) -> int:
+    return resumed.init_state.loop_state.epoch if resumed is not None else 0
 
 
 async def _follow(job: _Job) -> None:
@@ -295,8 +325,8 @@ async def _follow(job: _Job) -> None:
     restored_from = resume_follower_extras(
         job.checkpoint_dir, job.resume, placement.rank, job.extras, reserved=SYNC_EXTRA
     )
+    await stop_if_requested_before_training(job.stop, 0)
     async with (
-        stop_on_signals(job.stop),
         open_follower_control(placement.env, model_spec=job.spec, **job.heartbeat) as control,
         share_stop_requests(job.stop, control),
     ):
@@ -324,6 +354,7 @@ async def _lead(
     keep_last: int | None,
     on_epoch: Callable[[LoopState], object] | None,
     launch_command: Sequence[str] | None,
+    at_once: anyio.CancelScope,
 ) -> LoopState:
     """The root: checkpoint, report, and drive the ranks (alone, under a launcher, or its own followers)."""
     placement = job.placement
@@ -390,7 +421,7 @@ async def _lead(
                 **(resumed.drive_arguments() if resumed is not None else {}),
             )
 
-    return await reported_run(run(), job.stop, emit)
+    return await reported_run(run(), job.stop, emit, at_once)
 
 
 fit = blocking(fit_async)

@@ -30,6 +30,7 @@ from typing import ParamSpec, TypeVar
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
@@ -43,14 +44,20 @@ __all__ = [
     "event_loop_running",
     "reported_run",
     "share_stop_requests",
+    "stop_if_requested_before_training",
     "stop_on_signals",
     "stop_request",
+    "stopped_at_once",
 ]
 
 logger = logging.getLogger("lamploop")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+_SIGNAL_TURNS = 8
+"""Turns of the event loop that hand a signal waiting in its wake-up socket to the watcher
+(three suffice with asyncio: read the socket, run the handler, wake the watcher)."""
 
 _POLL_S = 0.1
 """How often a run off the main thread looks for a request to stop at once."""
@@ -80,22 +87,34 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
 
     Yields the scope that a second request cancels.  On the main thread SIGTERM and SIGINT
     are the requests; elsewhere (see :func:`blocking`) the thread that waits makes them.
+    The body's exceptions pass through unwrapped.  Enter one per run: leaving it sets the
+    signals' actions back to their defaults, also under an outer one.
     """
     # Processes forked while it runs (DataLoader workers) must not write their copy of a
     # group signal into this event loop's wake-up socket: one Ctrl-C would count as two.
+    failure: Exception | None = None
     with anyio.CancelScope() as scope, signals_stay_with_this_process():
         async with anyio.create_task_group() as watchers:
             on_main = threading.current_thread() is threading.main_thread()
-            watchers.start_soon(_watch_signals if on_main else _watch_at_once, stop, scope)
+            # start, not start_soon: the handlers are in place before the body runs (fit restores
+            # its checkpoint next, without an await that would let a watcher begin).
+            await watchers.start(_watch_signals if on_main else _watch_at_once, stop, scope)
             try:
                 yield scope
+            except Exception as exc:  # raised below as it is: the task group would wrap it in a group
+                failure = exc
             finally:
                 watchers.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
-async def _watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
+async def _watch_signals(
+    stop: StopRequest, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
     signalled = False  # a request relayed from another rank (see share_stop_requests) is no first signal
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
             if signalled:
@@ -106,7 +125,10 @@ async def _watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
             logger.info("%s: stopping after the current step (again to stop at once)", name)
 
 
-async def _watch_at_once(stop: StopRequest, scope: anyio.CancelScope) -> None:
+async def _watch_at_once(
+    stop: StopRequest, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
+    task_status.started()
     # The request comes from another thread, which cannot set an anyio.Event here: poll.
     while not stop.at_once():  # noqa: ASYNC110
         await anyio.sleep(_POLL_S)
@@ -240,26 +262,29 @@ def _ctrl_c_requests_stops(stop: StopRequest) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-async def reported_run(run: Awaitable[R], stop: StopRequest, emit: EventEmitter) -> R:
-    """Await the root's run under the signal handlers (:func:`stop_on_signals`); report a stop or a failure.
+async def reported_run(
+    run: Awaitable[R], stop: StopRequest, emit: EventEmitter, at_once: anyio.CancelScope
+) -> R:
+    """Await the root's run inside :func:`stop_on_signals` (scope ``at_once``); report a stop or a failure.
 
     The run itself reports everything up to :class:`~lamploop.reporting.events.RunFinished`;
     how it ended otherwise is known here: a stop on request is a
-    :class:`~lamploop.reporting.events.RunStopped`, anything else a
+    :class:`~lamploop.reporting.events.RunStopped` (also a stop at once, whose cancellation
+    passes on to ``at_once``: see :func:`stopped_at_once`), anything else a
     :class:`~lamploop.reporting.events.RunFailed` (after a
     :class:`~lamploop.reporting.events.PeerLost` naming a lost rank).  The first error inside
     the task groups' exception groups is raised, with its own cause.
 
     Raises:
-        TrainingInterrupted: stopped, at the next step boundary or at once by a second request.
+        TrainingInterrupted: stopped at the next step boundary.
         LamploopError: the run's first error.
     """
     try:
-        async with stop_on_signals(stop) as at_once:
-            state = await run
-        if at_once.cancelled_caught:
-            msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
-            raise TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
+        return await run
+    except anyio.get_cancelled_exc_class():
+        if at_once.cancel_called:
+            emit(RunStopped(stop.reason, stopped_at_once(stop).args[0]))
+        raise
     except Exception as exc:
         error = _first_error(exc)
         if isinstance(error, TrainingInterrupted):  # a stop on request is no failure
@@ -273,7 +298,33 @@ async def reported_run(run: Awaitable[R], stop: StopRequest, emit: EventEmitter)
         if error.__cause__ is not None:
             raise error from error.__cause__  # its own cause says more than the task groups' wrapping
         raise error from exc  # the task groups' wrapping, kept as the cause
-    return state
+
+
+def stopped_at_once(stop: StopRequest) -> TrainingInterrupted:
+    """The error of a run that a second request stopped at once (:func:`stop_on_signals`' scope cancelled)."""
+    msg = f"stopped at once by a second {stop.reason}: the work since the last checkpoint is lost"
+    return TrainingInterrupted(msg, epoch=-1, steps_done=-1, reason=stop.reason)
+
+
+async def stop_if_requested_before_training(stop: StopRequest, epoch: int) -> None:
+    """Raise :class:`TrainingInterrupted` if a stop was requested before training started.
+
+    Called inside :func:`stop_on_signals` once ``fit`` has checked its arguments and restored
+    the checkpoint it resumes from, work that keeps this thread busy: a signal that came
+    meanwhile waits in the event loop's wake-up socket.  The loop is first given a few turns
+    to hand it to the watcher (reading the socket, running the handler, waking the watcher).
+
+    Raises:
+        TrainingInterrupted: a stop was requested (nothing was written).
+    """
+    for _ in range(_SIGNAL_TURNS):
+        await anyio.lowlevel.checkpoint()
+    if stop.is_set():
+        msg = (
+            f"stopped by {stop.reason} before training started (while fit checked its arguments "
+            "and restored its checkpoint): nothing was written, a checkpoint resumed from is untouched"
+        )
+        raise TrainingInterrupted(msg, epoch=epoch, steps_done=0, reason=stop.reason)
 
 
 def _first_error(exc: BaseException) -> BaseException:

@@ -12,10 +12,14 @@ promises:
   run fails with status 1) or, on SIGINT, writes it into the run's wake-up socket: two SIGINTs
   counted for one, a stop at once without a checkpoint (shown below in this process, with
   :func:`~lamploop.forked_children.signals_stay_with_this_process` preventing it);
-- a stop requested during a validation pass ends the run at the first step boundary of the
-  next epoch, after the epoch's checkpoint;
-- a SIGTERM before the run handles signals (while ``fit`` restores the checkpoint it resumes
-  from) ends the process as SIGTERM's default action does, nothing written.
+- a stop requested during a validation pass ends the run at the epoch's end, after the
+  validation pass and the epoch's checkpoint, with no step of the next epoch (exit 143); the
+  next run resumes from that checkpoint to the uninterrupted run's result.  A validation
+  stream that waits for samples that never come is ended by the request, and the validation
+  cut short is discarded (the epoch is not finished, no checkpoint of its end);
+- a SIGTERM before training starts (while ``fit`` restores the checkpoint it resumes from)
+  stops the run once the checkpoint is restored: ``TrainingInterrupted`` (exit 143 through
+  the script), nothing written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -32,6 +37,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from workers import rank as worker
 
+import lamploop
+from lamploop.batches import BatchContext, BatchStream
 from lamploop.checkpoint import load_checkpoint
 from lamploop.forked_children import leave_stop_signals_to_the_run, signals_stay_with_this_process
 
@@ -56,11 +63,17 @@ def _training(procs: worker.Processes, tmp_path: Path) -> None:
 
 
 def _stopped_at_a_step_boundary(procs: worker.Processes, tmp_path: Path, status: int) -> None:
+    """Stopped with a checkpoint of where it stopped: a step boundary, or an epoch's end when the
+    signal came during the epoch's validation pass."""
     assert procs.wait("fit", EXITED_WITHIN_S) == status, procs.logs()
     log = procs.log("fit")
-    assert "a checkpoint was written there" in log, log
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     saved = load_checkpoint(tmp_path / "checkpoints")
+    if "at the epoch's end; the epoch's checkpoint was written" in log:
+        assert saved.position is None, latest
+        assert latest == f"epoch-{saved.state.loop_state.epoch:06d}"
+        return
+    assert "a checkpoint was written there" in log, log
     assert saved.position is not None, latest  # a step boundary inside an epoch, not an epoch's end
     assert latest.endswith(f"-step-{saved.position.steps_done:06d}")
 
@@ -101,25 +114,33 @@ def test_a_sigterm_to_the_run_alone_while_it_waits_in_a_dataloader_stops_at_the_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_stop_during_validation_ends_the_run_after_the_first_step_of_the_next_epoch(tmp_path: Path) -> None:
-    with _run(tmp_path, "slow-validation") as procs:
+def test_a_stop_during_validation_on_two_ranks_ends_the_run_at_the_epochs_end_after_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # The SIGTERM reaches the root alone; the ranks agree in the validation's sum.  One rank
+    # (and the resumed run's result): test_a_stop_during_validation_in_process_... below.
+    with _run(tmp_path, "slow-validation-2") as procs:
         validating = procs.wait_for_file(tmp_path / "validating.json", 120, alive=["fit"])
         time.sleep(0.3)  # inside the validation pass (about 1.5 s of loading)
         procs.procs["fit"].send_signal(signal.SIGTERM)
         assert procs.wait("fit", EXITED_WITHIN_S) == 143, procs.logs()
     epoch = int(validating["epoch"])
     log = procs.log("fit")
-    assert f"stopped by SIGTERM at epoch {epoch + 1} after step 1; a checkpoint was written there" in log, log
-    saved = load_checkpoint(tmp_path / "checkpoints")
-    assert saved.position is not None
-    assert (saved.state.loop_state.epoch, saved.position.steps_done) == (epoch + 1, 1)
-    # The epoch whose validation was interrupted finished it and wrote its own checkpoint first.
-    assert (tmp_path / "checkpoints" / f"epoch-{epoch + 1:06d}").is_dir()
+    assert (
+        f"stopped by SIGTERM during the validation of epoch {epoch}, at the epoch's end; the epoch's " in log
+    )
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"epoch-{epoch + 1:06d}", log
+    saved = load_checkpoint(checkpoints)
+    assert saved.position is None  # the epoch's end: no step of the next epoch was taken
+    assert saved.state.loop_state.epoch == epoch + 1
+    assert saved.state.loop_state.learning_curve[-1].validation_loss is not None  # the whole validation
+    assert not list(checkpoints.glob("*-step-*")), sorted(p.name for p in checkpoints.iterdir())
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_sigterm_while_fit_restores_its_checkpoint_ends_the_process_and_writes_nothing(
+def test_a_sigterm_while_fit_restores_its_checkpoint_stops_the_run_once_restored_and_writes_nothing(
     tmp_path: Path,
 ) -> None:
     with _run(tmp_path, "first-of-two") as procs:
@@ -132,8 +153,9 @@ def test_a_sigterm_while_fit_restores_its_checkpoint_ends_the_process_and_writes
         procs.wait_for_file(tmp_path / "restoring.json", 120, alive=["resume"])
         resumed.send_signal(signal.SIGTERM)
         status = procs.wait("resume", EXITED_WITHIN_S)
-    # No handler is in place yet: SIGTERM's default action (a shell shows 143), no traceback.
-    assert status == -signal.SIGTERM, procs.logs()
+    # fit's handler is in place from its first line: a stop on request, not SIGTERM's default action.
+    assert status == 143, procs.logs()
+    assert "stopped by SIGTERM before training started" in procs.log("resume"), procs.logs()
     assert sorted(p.name for p in checkpoints.iterdir()) == before
     assert (checkpoints / "latest").read_text() == latest
 
@@ -188,3 +210,106 @@ def test_a_dataloader_worker_that_leaves_signals_to_the_run_outlives_a_sigterm_f
             os.spawnvp(os.P_WAIT, "kill", ["kill", "-TERM", str(pid)])
             time.sleep(0.3)
             list(it)
+
+
+# --- a stop during validation, in this process (one rank, ``fit`` on the main thread) -------------
+
+_X = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+_Y = (_X.sum(dim=1) > 0).long()
+_VALIDATION = [(_X[i : i + 8], _Y[i : i + 8]) for i in range(0, 48, 8)]
+
+
+def _signal_during(epoch: int | None, context: BatchContext) -> bool:
+    return epoch is not None and context.epoch == epoch
+
+
+def _whole_validation(signalled_epoch: int | None) -> Callable[[BatchContext], BatchStream]:
+    """Validation batches; the stream draws from torch's RNG as a DataLoader does (its base seed),
+    and in ``signalled_epoch`` SIGTERMs this process after its first batch and goes on."""
+
+    def factory(context: BatchContext) -> BatchStream:
+        torch.randint(0, 2**31, ())  # what a DataLoader's iterator draws: the checkpoint must see it
+
+        async def batches() -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+            for index, batch in enumerate(_VALIDATION):
+                yield batch
+                if index == 0 and _signal_during(signalled_epoch, context):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    await anyio.sleep(0.2)  # the handler has set the request: the pass goes on
+
+        return batches()
+
+    return factory
+
+
+class _SamplesThatNeverCome:
+    """A stream of samples (an ``EndingBatchStream``) whose second batch never comes; its first
+    SIGTERMs this process."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    @property
+    def source_ended(self) -> bool:
+        return False
+
+    async def __aiter__(self) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield _VALIDATION[0]
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.waited = True
+        await anyio.sleep_forever()
+        yield _VALIDATION[1]  # never reached
+
+
+def _fit(
+    out: Path, validation: Callable[[BatchContext], BatchStream]
+) -> tuple[lamploop.LoopState, torch.nn.Module]:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    state = lamploop.fit(
+        model=lamploop.SupervisedModel(module, lamploop.cross_entropy_loss),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+        train_batches=lamploop.tensor_batches(_X, _Y, batch_size=8),
+        validation_batches=validation,
+        max_epochs=3,
+        checkpoint_dir=out,
+        reporters=[],
+    )
+    return state, module
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_during_validation_in_process_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+    expected, expected_module = _fit(tmp_path / "whole", _whole_validation(None))
+    with pytest.raises(
+        lamploop.errors.TrainingInterrupted, match="during the validation of epoch 1, at the"
+    ) as info:
+        _fit(tmp_path / "stopped", _whole_validation(1))
+    assert (info.value.reason, info.value.epoch, info.value.steps_done) == ("SIGTERM", 2, 0)
+    assert (tmp_path / "stopped" / "latest").read_text().strip() == "epoch-000002"
+    state, module = _fit(tmp_path / "stopped", _whole_validation(None))  # resumed there
+    assert state.learning_curve == expected.learning_curve
+    for name, value in expected_module.state_dict().items():
+        assert torch.equal(module.state_dict()[name], value), name
+
+
+@pytest.mark.timeout(60)
+def test_a_validation_stream_that_waits_for_samples_is_ended_by_the_request_and_discarded(
+    tmp_path: Path,
+) -> None:
+    stream = _SamplesThatNeverCome()
+
+    def validation(context: BatchContext) -> BatchStream:
+        return stream if context.epoch == 1 else _whole_validation(None)(context)
+
+    began = time.monotonic()
+    with pytest.raises(
+        lamploop.errors.TrainingInterrupted, match="validation of epoch 1, which was cut short"
+    ) as info:
+        _fit(tmp_path, validation)
+    assert stream.waited
+    assert time.monotonic() - began < 20
+    assert info.value.reason == "SIGTERM"
+    # The epoch is not finished: the checkpoint of epoch 0's end is the last one.
+    assert (tmp_path / "latest").read_text().strip() == "epoch-000001"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("epoch-")) == ["epoch-000001"]

@@ -58,6 +58,7 @@ from lamploop.distributed.sharded_checks import SHARDED, check_sharded_strategy
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition, EpochStopped
 from lamploop.loop.epoch_driver import epochs
+from lamploop.loop.epoch_pass import ValidationStopped
 from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel, unwrapped
 from lamploop.reporting.emitter import EventEmitter
@@ -137,6 +138,8 @@ class _RootEpochs:
         self.next_epoch = self.state.epoch
         self.position_saved = True  # whether the last step-boundary save wrote a checkpoint
         self.end_reason = ""  # why the epoch loop ended, in words (RunFinished.reason)
+        self.stop_after_epoch = False  # a stop was requested during the epoch's (whole) validation
+        self.max_epochs = 0  # set by epochs()
         self.nranks = replica.channel.nranks
         self.best: dict[str, torch.Tensor] = dict(init_state.best_model) if init_state is not None else {}
         # A sharded model's rank: its best model is kept in every rank's shards, and what the
@@ -210,6 +213,7 @@ class _RootEpochs:
 
     async def epochs(self, settings: TrainingSettings, validates: bool) -> LoopState:
         """Run :func:`lamploop.epochs` from where this root starts, with these effects."""
+        self.max_epochs = settings.max_epochs
         return await epochs(
             max_epochs=settings.max_epochs,
             train_epoch=self.train,
@@ -251,7 +255,7 @@ class _RootEpochs:
         try:
             return await self.replica.train(self.next_epoch, lr_factor)
         except EpochStopped as stopped:
-            reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else "a request"
+            reason = self._stop_reason()
             steps = stopped.progress.steps_done
             saved = ""
             if self.checkpoint_position is not None:
@@ -263,10 +267,27 @@ class _RootEpochs:
             msg = f"stopped by {reason} at epoch {self.next_epoch} after step {steps}{saved}"
             raise TrainingInterrupted(msg, epoch=self.next_epoch, steps_done=steps, reason=reason) from None
 
+    def _stop_reason(self) -> str:
+        """What asked for the stop; a request heard only in the ranks' sum has no name here."""
+        reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else ""
+        return reason or "a request on another rank"
+
     async def validate(self) -> float:
         await self.tell(Valid(epoch=self.next_epoch))
         self.events.validation_started()
-        loss = await self.replica.validate(self.next_epoch)
+        try:
+            loss = await self.replica.validate(self.next_epoch)
+        except ValidationStopped as stopped:
+            if stopped.result is None:  # a part of the validation batches: no epoch's end
+                epoch, reason = self.next_epoch, self._stop_reason()
+                msg = (
+                    f"stopped by {reason} during the validation of epoch {epoch}, which was cut short "
+                    "and discarded: the epoch is not finished and no checkpoint of its end was written; "
+                    "the next run resumes from the last checkpoint written before it"
+                )
+                raise TrainingInterrupted(msg, epoch=epoch, steps_done=-1, reason=reason) from None
+            loss = stopped.result  # whole: the epoch ends, its checkpoint is written, then the run stops
+            self.stop_after_epoch = True
         self.events.validated(self.next_epoch, loss)
         return loss
 
@@ -297,6 +318,18 @@ class _RootEpochs:
             if self.sharded is not None:  # the shards are written through checkpoint_position only
                 data = attrs.evolve(data, model={})
             await self.checkpoint_state(data, schedule_state)
+        if self.stop_after_epoch and state.epoch < self.max_epochs:  # at the last epoch: the run is done
+            self._stop_at_epoch_end(state.epoch - 1)
+
+    def _stop_at_epoch_end(self, epoch: int) -> None:
+        """A stop requested during the validation of ``epoch``: the run ends at the epoch's end."""
+        reason = self._stop_reason()
+        saved = ""
+        if self.checkpoint_position is not None:
+            # A sharded model's checkpoint is written with the followers, at the Stop that follows.
+            saved = "; the epoch's checkpoint was written, the next run resumes from there"
+        msg = f"stopped by {reason} during the validation of epoch {epoch}, at the epoch's end{saved}"
+        raise TrainingInterrupted(msg, epoch=epoch + 1, steps_done=0, reason=reason)
 
 
 def _shards_on_disk(

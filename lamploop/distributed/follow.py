@@ -19,6 +19,7 @@ from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
 from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError, StreamExhausted
 from lamploop.loop.boundary import EpochStopped
+from lamploop.loop.epoch_pass import ValidationStopped
 from lamploop.loop.optimizer import make_optimizer
 from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel
@@ -144,7 +145,10 @@ async def follow_distributed_training(
                             "but this rank has no validation_batches"
                         )
                         raise ConfigurationError(msg)
-                    await replica.validate(command.epoch)
+                    try:
+                        await replica.validate(command.epoch)
+                    except ValidationStopped:
+                        continue  # a stop during validation: the root ends the epoch (or not) and sends Stop
                 else:
                     return
 

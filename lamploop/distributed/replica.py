@@ -26,7 +26,7 @@ from lamploop.distributed.sharded_rank import ShardedRank
 from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
 from lamploop.errors import ConfigurationError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
-from lamploop.loop.epoch_pass import one_epoch
+from lamploop.loop.epoch_pass import ValidationStopped, one_epoch
 from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
 from lamploop.loop.profiler import StepProfiler
 from lamploop.loop.step_timing import StepTimes
@@ -198,20 +198,35 @@ class Replica:
         return before_step
 
     async def validate(self, epoch: int) -> float:
-        """One forward-only pass over the validation stream; the global mean loss."""
+        """One forward-only pass over the validation stream; the global mean loss.
+
+        Raises:
+            ValidationStopped: a stop was requested on some rank during the pass (every rank
+                raises it): with the pass's result when it ran to its end, else ``None``.
+        """
         if self.validation_batches is None:
             msg = f"rank {self.channel.rank}: asked to validate epoch {epoch} without validation_batches"
             raise RuntimeError(msg)
-        return await self._run(self.validation_batches, epoch, forward_only=True)
+        return await self._run(self.validation_batches, epoch, forward_only=True, boundary=self.boundary)
 
     async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
         stream = batches(self._context(epoch))
         forward_only = how.get("forward_only", False)
 
         async def one_pass() -> float:
-            loss = await one_epoch(
-                model=self.model, batches=stream, channel=self.channel, device=self.device, epoch=epoch, **how
-            )
+            try:
+                loss = await one_epoch(
+                    model=self.model,
+                    batches=stream,
+                    channel=self.channel,
+                    device=self.device,
+                    epoch=epoch,
+                    **how,
+                )
+            except ValidationStopped as stopped:
+                if stopped.result is not None and self.boundary is not None:
+                    self.boundary.keep_rng_states()  # the epoch ends: its checkpoint is written
+                raise
             if self.boundary is not None:
                 self.boundary.keep_rng_states()  # for the checkpoint at the end of the epoch
             if self.extras is not None and isinstance(self.channel, ProcessGroupChannel) and not forward_only:
@@ -281,14 +296,14 @@ class RankPlan:
     ) -> Replica:
         """The replica of this plan on ``channel``.
 
-        Its training streams end when ``abort`` is set: a rank waiting for samples (a buffer
+        Its training and validation streams end when ``abort`` is set: a rank waiting for samples (a buffer
         no producer fills) would otherwise never reach the collective that notices the failure.
         """
         return Replica(
             model=self.model if sharded is None else attrs.evolve(self.model, module=sharded.module),
             channel=channel,
             train_batches=stop_aware_batches(self.train_batches, abort),
-            validation_batches=self.validation_batches,
+            validation_batches=_stop_aware(self.validation_batches, abort),
             settings=self.settings,
             device=self.device,
             optimizer=optimizer,
@@ -300,6 +315,10 @@ class RankPlan:
             extras=self.extras,
             sharded=sharded,
         )
+
+
+def _stop_aware(batches: BatchStreamFactory | None, abort: AbortSignal) -> BatchStreamFactory | None:
+    return None if batches is None else stop_aware_batches(batches, abort)
 
 
 def _check_fp16_strategy(settings: TrainingSettings, strategy: SyncStrategy) -> None:

@@ -38,19 +38,35 @@ from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepP
 from lamploop.loop.forward import BackwardSeeds, Forward, device_of
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.non_finite import NonFiniteLossPolicy, bad_ranks, check_policy, step_error, step_loss
-from lamploop.loop.pass_totals import Yielder, epoch_totals
+from lamploop.loop.pass_totals import Yielder, epoch_totals, pass_totals
 from lamploop.loop.precision import LossScale, Precision, check_precision, unscale_and_check
 from lamploop.loop.profiler import StepProfiler
 from lamploop.loop.step_timing import StepTimes, communication_clock
+from lamploop.loop.stop_aware import ended_by_request
 from lamploop.metrics import PassResult
 from lamploop.model import SupervisedModel
 from lamploop.sync.channel import PendingSum, SingleProcessChannel, TensorChannel
 from lamploop.sync.fsdp import is_sharded
 from lamploop.sync.strategy import CountsStepExamples, GradientSync, reduces_linearly
 
-__all__ = ["one_epoch"]
+__all__ = ["ValidationStopped", "one_epoch"]
 
 _log = logging.getLogger(__name__)
+
+
+class ValidationStopped(Exception):
+    """A forward-only pass during which a stop was requested on some rank (every rank raises it).
+
+    Attributes:
+        result: the pass's mean loss (a :class:`~lamploop.metrics.PassResult` with metrics)
+            when every rank's stream ran to its end; ``None`` when a request cut some rank's
+            stream short (:mod:`lamploop.loop.stop_aware`): the pass saw only part of its
+            batches, and its loss is discarded.
+    """
+
+    def __init__(self, result: float | None) -> None:
+        super().__init__("validation cut short by a stop request" if result is None else "stop requested")
+        self.result = result
 
 
 async def one_epoch(
@@ -88,7 +104,8 @@ async def one_epoch(
         device: move each batch there (non-blocking) before the forward pass.
         epoch: only used to say where an error happened.
         start: resume a training pass at a step boundary (see :mod:`lamploop.loop.boundary`).
-        boundary: asked at every step boundary whether to checkpoint or stop.
+        boundary: asked at every step boundary whether to checkpoint or stop; a forward-only
+            pass asks it once, at its end, whether to stop (the ranks agree in the pass's sum).
         on_non_finite_loss: what a training step with a NaN or infinite loss on any rank
             does: ``"raise"`` (before the optimizer step) or ``"skip_step"`` (every rank
             drops that step; see :mod:`lamploop.loop.non_finite`).  Validation always raises.
@@ -118,6 +135,9 @@ async def one_epoch(
         NonFiniteLossError: a loss was NaN or infinite (says which epoch, step, batch and
             rank), or every step of the pass was skipped for one.
         EpochStopped: the ranks stopped at a step boundary on request.
+        ValidationStopped: (forward-only, with a ``boundary``) a stop was requested on some
+            rank during the pass; it carries the pass's result, or ``None`` when a request cut
+            a stream short.
     """
     k = accumulate_gradient_over_n_batches
     if not isinstance(k, int) or k < 1:
@@ -133,9 +153,13 @@ async def one_epoch(
     metrics = MetricSums(list(model.metrics), () if start is None or forward_only else start.metric_sums)
     forward_of = Forward(model, precision, target_device or device_of(model.module))
     if forward_only:
-        total, count, metric_totals = await _forward_pass(
-            forward_of, batches, channel, target_device, epoch, metrics
+        total, count, metric_totals, stopped = await _forward_pass(
+            forward_of, batches, channel, target_device, epoch, metrics, boundary
         )
+        if stopped is not None:
+            if stopped or count == 0:  # cut short: a part of the batches is no validation
+                raise ValidationStopped(None)
+            raise ValidationStopped(_result(total, count, metrics, metric_totals))
     elif step_optimizer is None:
         msg = "one_epoch: step_optimizer is required when training (forward_only=False)"
         raise ConfigurationError(msg)
@@ -162,6 +186,10 @@ async def one_epoch(
             raise StreamExhausted(msg)
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
         raise mark_detected_by_every_rank(BatchError(msg))  # every rank sums the same zero
+    return _result(total, count, metrics, metric_totals)
+
+
+def _result(total: float, count: float, metrics: MetricSums, metric_totals: list[float]) -> float:
     if metrics:
         return PassResult(total / count, metrics.means(metric_totals))
     return total / count
@@ -174,7 +202,10 @@ async def _forward_pass(
     device: torch.device | None,
     epoch: int | None,
     metrics: MetricSums,
-) -> tuple[float, float, list[float]]:
+    boundary: StepBoundary | None,
+) -> tuple[float, float, list[float], bool | None]:
+    """The pass's totals over all ranks; last, ``None`` when no stop was requested, else
+    whether some rank's stream was cut short by the request."""
     forward.model.module.eval()
     rank = channel.rank
     losses: list[torch.Tensor] = []
@@ -195,9 +226,16 @@ async def _forward_pass(
         count += n
         await yield_now()
     local = float(torch.stack(losses).sum()) if losses else 0.0
-    total, global_count, metric_totals = await epoch_totals(channel, [local, count], metrics)
+    # Asked once, here: a request during the pass (or before it) is seen by every rank in the sum.
+    requested = boundary is not None and boundary.requests(0)[1]
+    cut_short = ended_by_request(batches)
+    total, global_count, metric_totals, (stops, cuts) = await pass_totals(
+        channel, [local, count], metrics, [float(requested or cut_short), float(cut_short)]
+    )
+    if cuts > 0:  # the pass's loss is discarded: no check of it
+        return total, global_count, metric_totals, True
     check_finite(losses, total, epoch, rank)
-    return total, global_count, metric_totals
+    return total, global_count, metric_totals, False if stops > 0 else None
 
 
 async def _padded(

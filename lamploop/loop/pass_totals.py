@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import anyio.lowlevel
 import anyio.to_thread
@@ -10,7 +11,7 @@ import anyio.to_thread
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.sync.channel import TensorChannel
 
-__all__ = ["Yielder", "epoch_totals"]
+__all__ = ["Yielder", "epoch_totals", "pass_totals"]
 
 _YIELD_EVERY_S = 0.02
 """Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
@@ -34,10 +35,24 @@ async def epoch_totals(
     channel: TensorChannel, values: list[float], metrics: MetricSums
 ) -> tuple[float, float, list[float]]:
     """The loss sum, example count and metric totals over all ranks, in one all-reduce."""
-    values = values + metrics.totals()
+    total, global_count, metric_totals, _ = await pass_totals(channel, values, metrics)
+    return total, global_count, metric_totals
+
+
+async def pass_totals(
+    channel: TensorChannel, values: list[float], metrics: MetricSums, flags: Sequence[float] = ()
+) -> tuple[float, float, list[float], list[float]]:
+    """:func:`epoch_totals`, and ``flags`` summed over all ranks in the same all-reduce.
+
+    A validation pass carries its stop request there (and whether its stream was cut short
+    by one), as a training step carries it in the step's sum: every rank learns the same.
+    """
+    summed = values + metrics.totals() + list(flags)
     if channel.nranks == 1:
-        total, global_count, *metric_totals = channel.all_reduce_sum(values)
+        totals = channel.all_reduce_sum(summed)
     else:
         # This waits for the slowest rank's whole epoch: keep the event loop (heartbeats) free.
-        total, global_count, *metric_totals = await anyio.to_thread.run_sync(channel.all_reduce_sum, values)
-    return total, global_count, metric_totals
+        totals = await anyio.to_thread.run_sync(channel.all_reduce_sum, summed)
+    cut = len(totals) - len(flags)
+    total, global_count, *metric_totals = totals[:cut]
+    return total, global_count, metric_totals, list(totals[cut:])

@@ -18,6 +18,11 @@ so every rank stops at that boundary, where the checkpoint is written.  When no 
 batch (no producer yet), every rank's step counts zero examples and carries the request: the
 ranks stop at the boundary where they waited.
 
+A validation pass (``fit`` wraps ``validation_batches`` too) has no boundary to stop at:
+a stream the request ended says so (:func:`ended_by_request`), the pass carries that in its
+sum over the ranks, and a validation cut short on any rank is discarded on every rank
+(:class:`~lamploop.loop.epoch_pass.ValidationStopped`).
+
 A cancelled wait loses no sample: the buffers take a sample only in a synchronous step right
 before returning it (:mod:`lamploop.streaming.buffers`).  A stream that is no
 ``EndingBatchStream`` (:func:`~lamploop.tensor_batches`, :func:`~lamploop.iterable_batches`,
@@ -37,7 +42,7 @@ import anyio
 
 from lamploop.batches import BatchContext, BatchStream, BatchStreamFactory, EndingBatchStream
 
-__all__ = ["WAIT_POLL_S", "StopAwareStream", "StopFlag", "stop_aware_batches"]
+__all__ = ["WAIT_POLL_S", "StopAwareStream", "StopFlag", "ended_by_request", "stop_aware_batches"]
 
 WAIT_POLL_S: Final = 0.05
 """How often a stream waiting for a batch looks at the stop request (set from any thread)."""
@@ -78,28 +83,46 @@ class StopAwareStream:
     def __init__(self, inner: EndingBatchStream, stop: StopFlag) -> None:
         self._inner = inner
         self._stop = stop
+        self._cut_short = False  # set by an iterator that a request ended
 
     @property
     def source_ended(self) -> bool:
         """The inner stream's: the producers are done and no batch will ever come."""
         return self._inner.source_ended
 
+    @property
+    def ended_by_request(self) -> bool:
+        """Whether a request ended an iteration before the inner stream ended (here or further in)."""
+        return self._cut_short or ended_by_request(self._inner)
+
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _StopAwareIterator(aiter(self._inner), self._stop)
+        return _StopAwareIterator(aiter(self._inner), self._stop, self)
+
+
+def ended_by_request(stream: object) -> bool:
+    """Whether ``stream`` is a :class:`StopAwareStream` that a request cut short (its source may have more).
+
+    A validation pass over such a stream saw only part of its batches: its loss is no
+    validation loss (see :func:`lamploop.loop.epoch_pass.one_epoch`).
+    """
+    return isinstance(stream, StopAwareStream) and stream.ended_by_request
 
 
 class _StopAwareIterator:
-    def __init__(self, inner: AsyncIterator[Any], stop: StopFlag) -> None:
+    def __init__(self, inner: AsyncIterator[Any], stop: StopFlag, stream: StopAwareStream) -> None:
         self._inner = inner
         self._stop = stop
+        self._stream = stream
         self._ended = False
 
     def __aiter__(self) -> _StopAwareIterator:
         return self
 
     async def __anext__(self) -> Any:
-        if self._ended or self._stop.is_set():
-            self._ended = True
+        if self._ended:
+            raise StopAsyncIteration
+        if self._stop.is_set():
+            self._ended = self._stream._cut_short = True
             raise StopAsyncIteration
         item: Any = _NOTHING
         failure: Exception | None = None
@@ -115,6 +138,8 @@ class _StopAwareIterator:
             raise failure
         if item is _NOTHING:  # the stream ended, or a stop request ended the wait (wait.cancelled_caught)
             self._ended = True
+            if wait.cancelled_caught:
+                self._stream._cut_short = True
             raise StopAsyncIteration
         return item
 

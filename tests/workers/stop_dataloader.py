@@ -10,7 +10,8 @@ epoch on another such loader, checkpointing into ``OUT_DIR/checkpoints``.  ``MOD
 - ``ignoring``: the loaders' workers run
   :func:`lamploop.forked_children.leave_stop_signals_to_the_run` (``worker_init_fn``);
 - ``slow-validation``: plain loaders, validation four times slower; ``OUT_DIR/validating.json``
-  names the epoch whose validation pass has begun;
+  names the epoch whose validation pass has begun (on rank 0);
+- ``slow-validation-2``: the same on two ranks (``fit(world_size=2)`` starts rank 1 itself);
 - ``first-of-two``: one epoch, with a checkpoint extra (checkpoints at epoch ends);
 - ``slow-resume``: resumes from ``OUT_DIR/checkpoints`` (``first-of-two`` wrote it) through
   that checkpoint extra whose restore takes ``RESTORE_S``; ``OUT_DIR/restoring.json``
@@ -42,7 +43,7 @@ WORKERS = 2
 BATCH = 8
 EXAMPLES = 96
 MAX_EPOCHS = 50
-RESTORE_S = 2.0
+RESTORE_S = 1.0
 
 
 def _write(path: Path, value: Any) -> None:
@@ -88,10 +89,11 @@ def main(out: Path, mode: str) -> int:
     train = lamploop.dataloader_batches(
         DataLoader(Slow(ITEM_S), batch_size=BATCH, shuffle=True, num_workers=WORKERS, worker_init_fn=init)
     )
-    validation_delay = ITEM_S * (4 if mode == "slow-validation" else 1)
+    slow_validation = mode in ("slow-validation", "slow-validation-2")
+    validation_delay = ITEM_S * (4 if slow_validation else 1)
 
     def validation(context: BatchContext) -> DataLoader[Any]:
-        if mode == "slow-validation":
+        if slow_validation and context.rank == 0:
             _write(out / "validating.json", {"epoch": context.epoch, "at": time.time()})
         return DataLoader(Slow(validation_delay), batch_size=BATCH, num_workers=WORKERS, worker_init_fn=init)
 
@@ -105,6 +107,7 @@ def main(out: Path, mode: str) -> int:
             train_batches=train,
             validation_batches=lamploop.dataloader_batches(validation),
             max_epochs=1 if mode == "first-of-two" else MAX_EPOCHS,
+            world_size=2 if mode == "slow-validation-2" else None,
             checkpoint_dir=out / "checkpoints",
             checkpoint_extras=extras,
             reporters=[],

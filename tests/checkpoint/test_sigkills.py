@@ -3,7 +3,7 @@
 Each kill lands while the 2-rank run trains (after it wrote a new checkpoint, at a random
 moment); the next start resumes from what is on disk. The last run ends with the
 uninterrupted run's learning curve and parameters, bit for bit. Apart from
-tests/test_graceful_stop.py so that the suite's workers run the two side by side.
+tests/checkpoint/test_graceful_stop.py so that the suite's workers run the two side by side.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ rule is exercised at the end of every pass).
 | ``local_sgd8`` | ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager`` (even windows) | 1e-12, float64 |
 | ``local_sgd8``, ``diloco8`` | a float64 reference written here (weights, dry rank, outer step) | 1e-12 |
 | every registered name but ``fsdp`` | ``all_reduce``'s validation accuracy, lr 0.05 and 0.1 | 2 points |
-| ``fsdp`` | refused by the threaded loop, naming why (trained by ``fit`` in tests/test_fsdp.py) | |
+| ``fsdp`` | refused by the threaded loop, naming why (trained by ``fit`` in tests/sync/test_fsdp.py) | |
 | the registry | every name the docs and docstrings mention | equal sets |
 """
 
@@ -655,7 +655,7 @@ def test_local_sgd_and_diloco_equal_a_float64_reference(
 # checks that each is refused, naming it, and the test named here trains it in processes instead.
 NOT_IN_THREADS = {
     "fsdp": (
-        "FSDP2 shards over one process per rank; tests/test_fsdp.py::"
+        "FSDP2 shards over one process per rank; tests/sync/test_fsdp.py::"
         "test_fit_fsdp_equals_fit_all_reduce trains it through fit(world_size=2)"
     ),
 }
@@ -679,7 +679,7 @@ def test_strategies_the_threads_cannot_train_are_refused(strategy: str) -> None:
     """Excluded from the convergence check above only because the threaded loop refuses them,
     up front and naming the strategy; each one's reason names the test that trains it."""
     assert strategy in BUILTIN_STRATEGIES
-    assert "tests/test_fsdp.py::" in NOT_IN_THREADS[strategy]
+    assert "tests/sync/test_fsdp.py::" in NOT_IN_THREADS[strategy]
     refused = rf"strategy '{strategy}'.*local_data_parallel"
     with pytest.raises(lamploop.errors.ConfigurationError, match=refused):
         train(strategy, dtype=torch.float32, lr=0.05, epochs=1, n=64)

@@ -1,7 +1,7 @@
 """``fit`` runs of the worker script that tests stop, kill and resume (tests/workers/rank.py, ``fit``).
 
-Shared by tests/test_graceful_stop.py (a SIGTERM) and tests/checkpoint/test_sigkills.py (a dozen SIGKILLs),
-two modules so that the suite's workers run them side by side.
+Shared by tests/checkpoint/test_graceful_stop.py (a SIGTERM) and tests/checkpoint/test_sigkills.py
+(a dozen SIGKILLs), two modules so that the suite's workers run them side by side.
 """
 
 from __future__ import annotations

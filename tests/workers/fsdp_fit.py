@@ -1,4 +1,4 @@
-"""``lamploop.fit`` with a strategy on N ranks, for tests/test_fsdp.py.
+"""``lamploop.fit`` with a strategy on N ranks, for tests/sync/test_fsdp.py.
 
     python tests/workers/fsdp_fit.py OUT_DIR CONFIG_JSON
 

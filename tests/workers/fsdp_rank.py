@@ -1,4 +1,4 @@
-"""One rank of tests/test_fsdp.py: ``python tests/workers/fsdp_rank.py RUNDIR RANK NRANKS``.
+"""One rank of tests/sync/test_fsdp.py: ``python tests/workers/fsdp_rank.py RUNDIR RANK NRANKS``.
 
 Joins two process groups over one store on 127.0.0.1 (port in ``RUNDIR/jobs.json``): lamploop's
 own (a Gloo group object, as the drivers make it) and torch's default group

@@ -1,4 +1,4 @@
-"""Train the resume scenario in a process of its own (used by tests/test_resume.py).
+"""Train the resume scenario in a process of its own (used by tests/checkpoint/test_resume.py).
 
     python tests/workers/resume.py OUT_DIR full        # 6 epochs, a checkpoint after each
     python tests/workers/resume.py OUT_DIR resume CKPT # load CKPT, train on to 6

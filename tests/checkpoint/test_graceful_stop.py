@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from support import WORKERS
 from workers import fit_runs
 from workers import rank as worker
 
@@ -157,7 +158,7 @@ def test_resuming_a_step_boundary_with_another_number_of_ranks_is_refused_up_fro
         anyio.run(lambda: run)
 
 
-STOP_WAITING = Path(__file__).parent / "workers" / "stop_waiting.py"
+STOP_WAITING = WORKERS / "stop_waiting.py"
 
 
 def test_the_followers_that_fit_started_end_by_themselves_after_a_graceful_stop(tmp_path: Path) -> None:

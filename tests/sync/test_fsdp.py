@@ -25,7 +25,7 @@ import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import free_port
+from support import WORKERS, free_port
 from torch import nn
 from workers import fsdp_fit as fit_worker
 from workers import fsdp_rank as worker
@@ -51,7 +51,7 @@ from lamploop.sync.fsdp import FullyShard
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-WORKER = Path(__file__).parent / "workers" / "fsdp_rank.py"
+WORKER = WORKERS / "fsdp_rank.py"
 EXACT = 1e-10
 N = 62
 # Jobs both world sizes run: lamploop and the hand-written FSDP2 loop, Adam with accumulation,
@@ -344,7 +344,7 @@ def test_prepare_rebuilds_the_optimizer_over_the_shards_with_its_state() -> None
 
 # --- through fit: strategy="fsdp" on processes fit starts itself ---------------------------------------
 
-FIT_WORKER = Path(__file__).parent / "workers" / "fsdp_fit.py"
+FIT_WORKER = WORKERS / "fsdp_fit.py"
 
 
 def _fit(out: Path, **config: Any) -> subprocess.Popen[bytes]:

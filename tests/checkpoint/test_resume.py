@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from support import WORKERS
 
 import lamploop
 
-WORKER = Path(__file__).parent / "workers" / "resume.py"
+WORKER = WORKERS / "resume.py"
 
 
 def _run(*args: str) -> None:

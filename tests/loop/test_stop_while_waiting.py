@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from support import WORKERS
 from workers import rank as worker
 
 import lamploop
@@ -60,7 +61,7 @@ STOPPED_WITHIN_S = 5.0
 EXITED_WITHIN_S = 15.0
 """From the signal to the process's exit: rank 0 also waits for its follower to close, then Python
 and torch shut down, which takes seconds on the loaded 2-core machine."""
-WORKER = Path(__file__).parent / "workers" / "stop_waiting.py"
+WORKER = WORKERS / "stop_waiting.py"
 
 
 # --- real processes, real SIGTERM ---------------------------------------------------------------

@@ -34,6 +34,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from support import WORKERS
 from torch.utils.data import DataLoader, TensorDataset
 from workers import rank as worker
 
@@ -42,7 +43,7 @@ from lamploop.batches import BatchContext, BatchStream
 from lamploop.checkpoint import load_checkpoint
 from lamploop.forked_children import leave_stop_signals_to_the_run, signals_stay_with_this_process
 
-WORKER = Path(__file__).parent / "workers" / "stop_dataloader.py"
+WORKER = WORKERS / "stop_dataloader.py"
 EXITED_WITHIN_S = 30.0
 
 

@@ -47,7 +47,10 @@ The package's modules: :mod:`~lamploop.checkpoint.format` (names and the descrip
 :mod:`~lamploop.checkpoint.rng`, :mod:`~lamploop.checkpoint.codec` (nested state as JSON
 plus tensors), :mod:`~lamploop.checkpoint.files` (atomic writes, save order, pruning),
 :mod:`~lamploop.checkpoint.extras` (named state beside the model),
-:mod:`~lamploop.checkpoint.save`, :mod:`~lamploop.checkpoint.load`,
+:mod:`~lamploop.checkpoint.save`, :mod:`~lamploop.checkpoint.load` (which directory a path
+names: :mod:`~lamploop.checkpoint.locate`; each file's checked read:
+:mod:`~lamploop.checkpoint.checked_reads`), :mod:`~lamploop.checkpoint.sharded` (a sharded
+model's per-rank shards: ``sharded_index``, ``sharded_save``, ``sharded_load``, ``sharded_verify``),
 :mod:`~lamploop.checkpoint.integrity` (one file against its record),
 :mod:`~lamploop.checkpoint.verify` (every problem found at once: :func:`verify_checkpoint`,
 which ``lamploop inspect`` prints) and :mod:`~lamploop.checkpoint.checkpointer`.

@@ -1,4 +1,9 @@
-"""``load_checkpoint``: read and validate a checkpoint, falling back past an invalid ``latest``."""
+"""``load_checkpoint``: read and validate a checkpoint, falling back past an invalid ``latest``.
+
+Which directory a path names is :mod:`~lamploop.checkpoint.locate`'s; each file's checked
+read is :mod:`~lamploop.checkpoint.checked_reads`'; a sharded run's tensors are read by
+:mod:`~lamploop.checkpoint.sharded`.  This module puts one checkpoint together from them.
+"""
 
 from __future__ import annotations
 
@@ -9,36 +14,29 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import cattrs
-import safetensors
-import safetensors.torch
 import torch
 
+from lamploop.checkpoint.checked_reads import (
+    _check_fits,
+    _load_file,
+    _read_tensors,
+    _require_fit,
+    _structure_schedule_state,
+    read_descriptor,
+)
 from lamploop.checkpoint.codec import decode_tree
 from lamploop.checkpoint.extras import ExtraState, extra_file
-from lamploop.checkpoint.files import (
-    checkpoint_directories,
-    is_one_checkpoint,
-    newest_complete,
-    no_checkpoint_here,
-    read_json_object,
-    read_latest,
-    saved_at,
-)
+from lamploop.checkpoint.files import checkpoint_directories, saved_at
 from lamploop.checkpoint.format import (
     AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
-    FORMAT_VERSION,
-    LATEST_NAME,
     MODEL_FILE,
     OPTIMIZER_FILE,
     RNG_FILE,
-    _Descriptor,
-    _type_name,
     rank_rng_file,
 )
-from lamploop.checkpoint.integrity import check_file
+from lamploop.checkpoint.locate import latest_checkpoint, resolve_checkpoint
 from lamploop.checkpoint.rng import RngStates, _rng_from_disk, _rng_names
 from lamploop.checkpoint.sharded import (
     SHARDED_INDEX,
@@ -51,14 +49,20 @@ from lamploop.checkpoint.sharded import (
 )
 from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
-from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
+from lamploop.modelspec import ModelSpec, model_spec
 from lamploop.schedules import LearningRateSchedule
-from lamploop.state import LoopStateWithModelAndOptimizerData, converter
+from lamploop.state import LoopStateWithModelAndOptimizerData
+
+__all__ = [
+    "Checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_checkpoint_leaving_shards",
+    "read_descriptor",
+    "resolve_checkpoint",
+]
 
 _log = logging.getLogger("lamploop.checkpoint")
-
-# --------------------------------------------------------------------------------------------
-# Loading
 
 
 @attrs.frozen(eq=False)
@@ -86,139 +90,6 @@ class Checkpoint:
     position: EpochPosition | None = None
     rank_rngs: tuple[RngStates, ...] = ()
     extras: Mapping[str, ExtraState] = attrs.field(factory=dict)
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
-    """The checkpoint directory that ``<directory>/latest`` names, or ``None`` if there is none yet.
-
-    Without a ``latest`` file (a crash right after the first checkpoint was
-    renamed into place), the most recently saved complete checkpoint
-    directory is returned.  Nothing is validated beyond existence:
-    :func:`load_checkpoint` does that.
-
-    Raises:
-        CheckpointError: ``latest`` cannot be read, does not hold a checkpoint
-            directory name, or names a directory that does not exist.
-    """
-    root = pathlib.Path(directory)
-    name, problem = read_latest(root)
-    if problem is not None:
-        raise CheckpointError(problem)
-    if name is None:
-        return newest_complete(root) if root.is_dir() else None
-    pointer = root / LATEST_NAME
-    target = root / name
-    if not target.is_dir():
-        fallback = newest_complete(root)
-        if fallback is None:
-            msg = f"{pointer}: names {name}, but {target} does not exist"
-            raise CheckpointError(msg)
-        _log.warning(
-            "%s names %s, which does not exist; using %s, the newest saved", pointer, name, fallback.name
-        )
-        return fallback
-    return target
-
-
-def resolve_checkpoint(path: str | os.PathLike[str]) -> pathlib.Path:
-    """The checkpoint directory ``path`` names: itself, or in a run directory the latest one.
-
-    Raises:
-        CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
-    """
-    p = pathlib.Path(path)
-    if is_one_checkpoint(p):
-        return p
-    found = latest_checkpoint(p)
-    if found is None:
-        raise no_checkpoint_here(p)
-    return found
-
-
-def read_descriptor(path: pathlib.Path) -> _Descriptor:
-    """The descriptor (``checkpoint.json``) at ``path``, checked: format version and shape.
-
-    Raises:
-        CheckpointError: missing, unreadable, not JSON, another format, or malformed.
-    """
-    raw = read_json_object(path, CheckpointError, missing="missing; this is not a complete checkpoint")
-    version = raw.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        msg = f"{path}: no valid format_version (got {version!r}); not a lamploop checkpoint descriptor"
-        raise CheckpointError(msg)
-    if version > FORMAT_VERSION:
-        msg = (
-            f"{path}: written by a newer lamploop: format version {version}, "
-            f"this version reads {FORMAT_VERSION}; upgrade lamploop to load it"
-        )
-        raise CheckpointError(msg)
-    try:
-        return converter.structure(raw, _Descriptor)
-    except Exception as e:  # cattrs raises ClassValidationError (an ExceptionGroup) and friends
-        details = "; ".join(cattrs.transform_error(e, path="$"))
-        msg = f"{path}: malformed descriptor: {details}"
-        raise CheckpointError(msg) from e
-
-
-def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> dict[str, torch.Tensor]:
-    """Check a file's size and sha256 against the descriptor, then parse it."""
-    path = directory / file
-    record = descriptor.files.get(file)
-    if record is None:
-        msg = f"{directory / DESCRIPTOR_NAME}: lists no sha256 and size for {file}"
-        raise CheckpointError(msg)
-    problem = check_file(directory, file, record).problem
-    if problem is not None:
-        msg = f"{path}: {problem}"
-        raise CheckpointError(msg)
-    try:
-        return safetensors.torch.load_file(str(path), device="cpu")
-    except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as e:
-        msg = f"{path}: cannot be parsed as safetensors: {e}"
-        raise CheckpointError(msg) from e
-
-
-def _read_tensors(
-    directory: pathlib.Path, descriptor: _Descriptor, file: str, expected: ModelSpec
-) -> dict[str, torch.Tensor]:
-    """The tensors of ``file``, in the descriptor's order; exactly those ``expected`` lists."""
-    loaded = _load_file(directory, descriptor, file)
-    path = directory / file
-    wanted = [t.name for t in expected.tensors]
-    missing = [n for n in wanted if n not in loaded]
-    if missing:
-        more = " ..." if len(missing) > 5 else ""
-        msg = f"{path}: tensors missing that {DESCRIPTOR_NAME} lists: {missing[:5]}{more}"
-        raise CheckpointError(msg)
-    ordered = {n: loaded[n] for n in wanted}
-    problem = describe_mismatch(
-        expected, model_spec(ordered), expected_label=DESCRIPTOR_NAME, actual_label=file
-    )
-    extra = [n for n in loaded if n not in ordered]
-    if problem is None and extra:
-        problem = f"{file} has tensors {DESCRIPTOR_NAME} does not list: {extra[:5]}"
-    if problem is not None:
-        msg = f"{path}: does not match {DESCRIPTOR_NAME}: {problem}"
-        raise CheckpointError(msg)
-    return ordered
-
-
-def _structure_schedule_state(
-    descriptor: _Descriptor, schedule: LearningRateSchedule[Any], where: pathlib.Path
-) -> Any:
-    # A schedule written to the bare protocol (init and learning_rate_factor) need not say
-    # its state type: its initial state's type stands in.
-    target = getattr(schedule, "state_type", None) or type(schedule.init())
-    raw = descriptor.schedule_state
-    try:
-        return converter.structure(raw, target)
-    except Exception as e:  # cattrs reports through many exception types
-        problem = "; ".join(cattrs.transform_error(e, path="$.schedule_state"))
-    msg = (
-        f"{where}: the schedule state (saved as a {descriptor.schedule_state_type}) does not fit "
-        f"{type(schedule).__qualname__}, whose state type is {_type_name(target)}: {problem}"
-    )
-    raise CheckpointError(msg)
 
 
 def load_checkpoint(
@@ -283,6 +154,7 @@ def _load(
     *,
     whole: bool,
 ) -> Checkpoint:
+    """The checkpoint ``path`` names; from a run's root, the newest valid one if ``latest``'s is not."""
     directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
         return _load_directory(directory, schedule, model, restore_rng, whole=whole)
@@ -300,22 +172,6 @@ def _load(
         remaining = [p for p in checkpoint_directories(directory.parent) if p not in tried]
         candidate = max((p for p in remaining if (p / DESCRIPTOR_NAME).is_file()), key=saved_at, default=None)
     raise first_error if first_error is not None else CheckpointError(f"{path}: no valid checkpoint")
-
-
-def _require_fit(file: pathlib.Path, saved: ModelSpec, model: ModelSpec) -> None:
-    """``file``'s tensors (``saved``) are the given model's, else a CheckpointError naming the difference."""
-    problem = describe_mismatch(saved, model, expected_label="checkpoint", actual_label="model")
-    if problem is not None:
-        msg = f"{file}: does not fit the given model: {problem}"
-        raise CheckpointError(msg)
-
-
-def _check_fits(directory: pathlib.Path, descriptor: _Descriptor, actual: ModelSpec) -> None:
-    """The checkpoint's model (and best model, if any) have the given model's tensors."""
-    for file, spec in ((MODEL_FILE, descriptor.model_spec), (BEST_MODEL_FILE, descriptor.best_model_spec)):
-        if file == BEST_MODEL_FILE and not spec.tensors:
-            continue
-        _require_fit(directory / file, spec, actual)
 
 
 def _read_sharded(

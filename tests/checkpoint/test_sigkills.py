@@ -25,6 +25,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fit_runs.run_uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
 
 
+@pytest.mark.timeout(420)  # the reference run and 12 starts of 2 processes: 100-200 s under load
 def test_a_dozen_sigkills_at_random_moments_lose_nothing(uninterrupted: Path, tmp_path: Path) -> None:
     latest = tmp_path / "checkpoints" / "latest"
     with worker.Processes(tmp_path) as procs:

@@ -122,7 +122,12 @@ def stage_pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 
 def _wait_for_progress(procs: worker.Processes, path: Path, at_least: int) -> None:
     deadline = time.monotonic() + 90
-    while not (path.exists() and path.read_text().strip() and int(path.read_text()) >= at_least):
+
+    def progress() -> int:
+        text = path.read_text().strip() if path.exists() else ""  # read once: the stage rewrites it
+        return int(text) if text else -1
+
+    while progress() < at_least:
         procs.check_alive(["stage0", "stage1"])
         assert time.monotonic() < deadline, procs.logs()
         time.sleep(0.05)

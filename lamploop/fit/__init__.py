@@ -19,16 +19,11 @@ checkpoint, so that a restarted job carries on by itself.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
-import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
-import anyio
-import attrs
 import torch
 
 from lamploop.arguments import (
@@ -43,28 +38,21 @@ from lamploop.arguments import (
 )
 from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
-from lamploop.checkpoint import Checkpointer
 from lamploop.checkpoint.extras import CheckpointExtra
-from lamploop.checkpoint.resume import Resumed, resume_follower_extras, resume_root
-from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
-from lamploop.distributed.follow import follow_distributed_training
-from lamploop.distributed.launch import default_launch_command, open_follower_control, open_root
-from lamploop.distributed.placement import AUTO_DEVICE, Placement, place
-from lamploop.distributed.rank_extras import SYNC_EXTRA, RankExtras
-from lamploop.loop.boundary import EpochPosition
+from lamploop.checkpoint.resume import resume_root
+from lamploop.distributed.drive import OptimizerFactory
+from lamploop.distributed.launch import default_launch_command
+from lamploop.distributed.placement import AUTO_DEVICE, place
+from lamploop.distributed.rank_extras import SYNC_EXTRA
+from lamploop.fit.ranks import Heartbeat, Job, default_reporter, follow, lead, resumed_epoch
 from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.profiler import Profile
 from lamploop.loop.selection import SelectionMode
 from lamploop.loop.stop_aware import stop_aware_batches
-from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel
-from lamploop.modelspec import ModelSpec, model_spec
-from lamploop.reporting.emitter import EventEmitter
-from lamploop.reporting.events import CheckpointWritten
-from lamploop.reporting.logging_reporter import LoggingReporter
-from lamploop.reporting.progress import ProgressReporter
+from lamploop.modelspec import model_spec
 from lamploop.reporting.reporter import Reporter, close_all, start_all
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.schedules.step import StepSchedule
@@ -76,11 +64,9 @@ from lamploop.settings import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     TrainingSettings,
 )
-from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
+from lamploop.state import LoopState
 from lamploop.stopping import (
     blocking,
-    reported_run,
-    share_stop_requests,
     stop_if_requested_before_training,
     stop_on_signals,
     stop_request,
@@ -90,36 +76,6 @@ from lamploop.stopping import (
 __all__ = ["AUTO_DEVICE", "fit", "fit_async"]
 
 logger = logging.getLogger("lamploop")
-
-
-class _Heartbeat(TypedDict):
-    heartbeat_interval: float
-    heartbeat_timeout: float
-
-
-@attrs.frozen(kw_only=True)
-class _Job:
-    """What every rank of one ``fit`` call trains with: checked, and placed."""
-
-    model: SupervisedModel
-    optimizer_factory: OptimizerFactory
-    train_batches: BatchStreamFactory  # stop-aware: a stop ends a wait for samples
-    validation_batches: BatchStreamFactory | None  # stop-aware too: a validation cut short is discarded
-    settings: TrainingSettings
-    placement: Placement
-    spec: ModelSpec
-    heartbeat: _Heartbeat
-    stop: StopRequest
-    extras: Mapping[str, CheckpointExtra]
-    checkpoint_dir: str | Path | None
-    resume: bool
-
-
-def _default_reporter() -> Reporter:
-    """Live progress bars when stderr is a terminal and rich is installed, else a line per epoch."""
-    if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
-        return ProgressReporter(sys.stderr)
-    return LoggingReporter()
 
 
 async def fit_async(
@@ -268,7 +224,7 @@ async def fit_async(
             check_stateful_strategy("fit", settings, extras)
         if placement.env is None and placement.nranks > 1 and launch_command is None:
             launch_command = default_launch_command(placement.nranks)
-        job = _Job(
+        job = Job(
             model=model,
             optimizer_factory=optimizer_factory,
             train_batches=stop_aware_batches(train_batches, stop),
@@ -278,7 +234,7 @@ async def fit_async(
             settings=settings,
             placement=placement,
             spec=model_spec(model.module),
-            heartbeat=_Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout),
+            heartbeat=Heartbeat(heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout),
             stop=stop,
             extras=extras,
             checkpoint_dir=checkpoint_dir,
@@ -288,7 +244,7 @@ async def fit_async(
         if placement.rank > 0:
             follower = True
             try:
-                await _follow(job)
+                await follow(job)
             finally:
                 close_all(reporters or ())  # the same script's reporters: a follower reports nothing
         else:
@@ -302,126 +258,16 @@ async def fit_async(
                 nranks=placement.nranks,  # a sharded run's checkpoint reshards to any number
                 leave_shards=settings.strategy == "fsdp" and placement.nranks > 1,  # each rank reads its rows
             )
-            await stop_if_requested_before_training(stop, _resumed_epoch(resumed))
-            listeners = list(reporters) if reporters is not None else [_default_reporter()]
+            await stop_if_requested_before_training(stop, resumed_epoch(resumed))
+            listeners = list(reporters) if reporters is not None else [default_reporter()]
             try:
                 start_all(listeners)
-                state = await _lead(job, resumed, listeners, keep_last, on_epoch, launch_command, at_once)
+                state = await lead(job, resumed, listeners, keep_last, on_epoch, launch_command, at_once)
             finally:
                 close_all(listeners)
     if at_once.cancelled_caught and not follower:  # a follower stopped at once ends quietly
         raise stopped_at_once(stop)
     return state
-
-
-def _resumed_epoch(resumed: Resumed | None) -> int:
-    return resumed.init_state.loop_state.epoch if resumed is not None else 0
-
-
-async def _follow(job: _Job) -> None:
-    """A follower: restore its extras from the root's checkpoint, then run the epochs the root commands."""
-    placement = job.placement
-    assert placement.env is not None  # a follower was started by a launcher
-    restored_from = resume_follower_extras(
-        job.checkpoint_dir, job.resume, placement.rank, job.extras, reserved=SYNC_EXTRA
-    )
-    await stop_if_requested_before_training(job.stop, 0)
-    async with (
-        open_follower_control(placement.env, model_spec=job.spec, **job.heartbeat) as control,
-        share_stop_requests(job.stop, control),
-    ):
-        await follow_distributed_training(
-            rank=placement.rank,
-            nranks=placement.nranks,
-            device=placement.device,
-            control=control,
-            model=job.model,
-            train_batches=job.train_batches,
-            validation_batches=job.validation_batches,
-            optimizer_factory=job.optimizer_factory,
-            settings=job.settings,
-            stop=job.stop,
-            checkpoint_extras=RankExtras(
-                job.extras, rank=placement.rank, nranks=placement.nranks, resumed_from=restored_from
-            ),
-        )
-
-
-async def _lead(
-    job: _Job,
-    resumed: Resumed | None,
-    listeners: Sequence[Reporter],
-    keep_last: int | None,
-    on_epoch: Callable[[LoopState], object] | None,
-    launch_command: Sequence[str] | None,
-    at_once: anyio.CancelScope,
-) -> LoopState:
-    """The root: checkpoint, report, and drive the ranks (alone, under a launcher, or its own followers)."""
-    placement = job.placement
-    run_extras = RankExtras(
-        job.extras,
-        rank=0,
-        nranks=placement.nranks,
-        resumed_from=resumed.extras_from if resumed is not None else None,
-        saved_sync=resumed.reserved if resumed is not None else None,
-    )
-    save = None
-    if job.checkpoint_dir is not None:
-        save = Checkpointer(job.checkpoint_dir, keep_last=keep_last, extras=run_extras)
-    emit = EventEmitter(listeners)
-
-    async def after_epoch(data: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
-        # The checkpoint itself is written through checkpoint_position, with every rank's RNG states.
-        if on_epoch is not None:
-            on_epoch(data.loop_state)
-
-    async def save_position(
-        data: LoopStateWithModelAndOptimizerData, schedule_state: Any, at: EpochPosition, rngs: Sequence[Any]
-    ) -> bool:
-        assert save is not None
-        if run_extras.at_epoch_ends_only and at.steps_done > 0:  # a stop inside an epoch
-            logger.warning(
-                "stopped inside epoch %d after step %d: no checkpoint written there, since the "
-                "checkpoint extras %s are consistent at epoch ends only; the next run resumes from "
-                "the last epoch's end",
-                at.epoch,
-                at.steps_done,
-                sorted(run_extras),
-            )
-            return False
-        began = time.monotonic()
-        await save.save_position(data, schedule_state, at, rngs)
-        path = str(save.last_path) if save.last_path is not None else None
-        emit(CheckpointWritten(at.epoch, at.steps_done, path, time.monotonic() - began))
-        return True
-
-    async def run() -> LoopState:
-        async with (
-            open_root(
-                placement.env, placement.nranks, model_spec=job.spec, command=launch_command, **job.heartbeat
-            ) as (control, host),
-            share_stop_requests(job.stop, control),  # a rank that waits for data hears the others' stops
-        ):
-            return await drive_distributed_training(
-                nranks=placement.nranks,
-                device=placement.device,
-                control=control,
-                model=job.model,
-                optimizer_factory=job.optimizer_factory,
-                train_batches=job.train_batches,
-                validation_batches=job.validation_batches,
-                max_epochs=job.settings.max_epochs,
-                checkpoint_state=after_epoch,
-                settings=job.settings,
-                host=host,
-                checkpoint_position=save_position if save is not None else None,
-                stop=job.stop,
-                reporters=listeners,
-                checkpoint_extras=run_extras,
-                **(resumed.drive_arguments() if resumed is not None else {}),
-            )
-
-    return await reported_run(run(), job.stop, emit, at_once)
 
 
 fit = blocking(fit_async)

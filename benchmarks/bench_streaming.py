@@ -36,10 +36,17 @@ Three measurements, each alternating the contenders inside the same run:
 
     python benchmarks/bench_streaming.py [--quick] [--json PATH] [--target-loss L] [--resend-window N]
         [--only ingest,train,heat]
+
+``--compare DIR`` measures this code against another copy of the package (``DIR/lamploop``, a
+copy of the tree before a change) in the same run: each measurement of 1. and 2. (one thread)
+runs in a fresh process of its own, importing one version or the other, the versions and the
+contenders alternating within every round; it reports each version's ratios (median
+[min-max]) and this code's rate over the other's, per contender.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -446,6 +453,105 @@ def _heat_pairs(pairs: int, producers: int, samples: int, epoch_batches: int) ->
         )
 
 
+# -- before and after: each measurement in a process of its own --
+
+CHILD = "--child-measure"
+
+
+def _child(spec: str) -> None:
+    """One measurement (``kind,floats,count`` or ``train,live,steps``), printed as JSON."""
+    kind, first, second = spec.split(",")
+    if kind == "train":
+        result: Any = train_steps(first == "live", int(second), 1)
+    elif kind == "raw":
+        result = ingest_raw(int(second), int(first))
+    else:
+        result = ingest_lamploop(kind, int(second), int(first))
+    print(json.dumps(result), flush=True)
+
+
+def _measure_in(version: Path | None, spec: str) -> Any:
+    """``_child(spec)`` in a new process importing lamploop from ``version`` (None: this tree)."""
+    env = dict(os.environ)
+    if version is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(version), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, __file__, CHILD, spec], env=env, capture_output=True, check=True, timeout=600
+    )
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+def compare(other: Path, rounds: int, steps: int) -> tuple[list[list[str]], dict[str, Any]]:
+    """This code against ``other`` (see the module), alternated within every round."""
+    versions: dict[str, Path | None] = {"after": None, "before": other}
+    specs = {
+        "blocking 1 KiB": "blocking,256,20000",
+        "async 1 KiB": "async,256,20000",
+        "raw 1 KiB": "raw,256,20000",
+        "blocking 64 KiB": "blocking,16384,4000",
+        "async 64 KiB": "async,16384,4000",
+        "raw 64 KiB": "raw,16384,4000",
+        "train live": f"train,live,{steps}",
+        "train memory": f"train,memory,{steps}",
+    }
+    runs: dict[str, dict[str, list[Any]]] = {v: {name: [] for name in specs} for v in versions}
+    order = [(v, name) for name in specs for v in versions]
+    for i in range(rounds):
+        shift = (i * 3) % len(order)
+        for version, name in order[shift:] + order[:shift]:
+            runs[version][name].append(_measure_in(versions[version], specs[name]))
+    rows = []
+    rate = {
+        v: {n: [r["steps_per_s"] if n.startswith("train") else r for r in runs[v][n]] for n in specs}
+        for v in versions
+    }
+    ratios = [
+        ("1 KiB blocking/async", "blocking 1 KiB", "async 1 KiB", 0.9),
+        ("1 KiB async/raw", "async 1 KiB", "raw 1 KiB", 0.2),
+        ("1 KiB blocking/raw", "blocking 1 KiB", "raw 1 KiB", 0.2),
+        ("64 KiB blocking/async", "blocking 64 KiB", "async 64 KiB", 0.9),
+        ("64 KiB async/raw", "async 64 KiB", "raw 64 KiB", 0.5),
+        ("64 KiB blocking/raw", "blocking 64 KiB", "raw 64 KiB", 0.5),
+        ("1M MLP, 1 thread: live/memory", "train live", "train memory", 0.9),
+    ]
+    for label, a, b, target in ratios:
+        cells = {v: _ratio(rate[v][a], rate[v][b]) for v in versions}
+        rows.append(
+            [
+                label,
+                _cell(cells["before"]),
+                _cell(cells["after"]),
+                f">= {target}: {_verdict(cells['after'], target)}",
+            ]
+        )
+    for name in specs:
+        if not name.startswith("raw"):
+            rows.append(
+                [
+                    f"  {name}: after/before rate",
+                    "",
+                    _cell(_ratio(rate["after"][name], rate["before"][name])),
+                    "",
+                ]
+            )
+    for v in versions:
+        live = runs[v]["train live"]
+        cpu = " / ".join(
+            f"{1e3 * summarize([r[key] for r in live])['median']:.2f}"
+            for key in ("trainer_cpu_per_step", "producer_cpu_per_step")
+        )
+        memory = 1e3 * summarize([r["trainer_cpu_per_step"] for r in runs[v]["train memory"]])["median"]
+        rows.append(
+            [
+                f"  {v}: CPU ms/step trainer live / producer; trainer from memory",
+                "",
+                f"{cpu}; {memory:.2f}",
+                "",
+            ]
+        )
+    return rows, {"runs": runs}
+
+
 # -- the report --
 
 
@@ -471,7 +577,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-loss", type=float, help="online/offline: the validation loss to reach")
     parser.add_argument("--only", default="ingest,train,heat", help="which measurements (comma-separated)")
     parser.add_argument("--resend-window", type=int, help="the producers' resend_window (default: theirs)")
+    parser.add_argument(
+        "--compare", type=Path, metavar="DIR", help="against DIR/lamploop, alternated (module)"
+    )
+    parser.add_argument(CHILD, metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child_measure:
+        _child(args.child_measure)
+        return 0
+    if args.compare:
+        load_start = list(os.getloadavg())
+        table, compared = compare(args.compare, 3 if args.quick else 5, 20 if args.quick else 60)
+        print_table(["ratio", f"before ({args.compare})", "after (this tree)", "target"], table)
+        start, end = (" ".join(f"{x:.2f}" for x in load) for load in (load_start, list(os.getloadavg())))
+        print(f"\nload average (1, 5, 15 min): {start} at the start, {end} at the end")
+        if args.json:
+            write_json(args.json, {**compared, "load_average": [load_start, list(os.getloadavg())]})
+        return 0
     global RESEND_WINDOW  # a setting of this script's run
     RESEND_WINDOW = "default" if args.resend_window is None else str(args.resend_window)
     only = set(args.only.split(","))

@@ -9,7 +9,7 @@ are always contiguous: the last ``keep_acknowledged`` acknowledged ones (for a r
 restored from an older state), then the unacknowledged ones, at most ``window`` of them.
 
 :class:`~lamploop.streaming.producer.AsyncProducer` owns one and does the waiting, the
-connections and the handshake around it; tests/test_stream_outbox.py tests it without a
+connections and the handshake around it; tests/streaming/test_stream_outbox.py tests it without a
 socket.
 
 >>> outbox = Outbox("sim", window=2, keep_acknowledged=0, start_seq=0, max_frame_bytes=1 << 20)

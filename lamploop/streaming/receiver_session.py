@@ -187,6 +187,8 @@ class Intake:
                 if self.try_put_many is not None and (taken := self.try_put_many(samples[done:])):
                     pass
                 else:
+                    if done:  # what was put is acknowledged soon, even if this put waits long
+                        acks.wake.set()
                     await self.sink.put(samples[done])
                     taken = 1
             except BufferClosedError:  # the producers were declared done: this one is refused, not the run
@@ -208,7 +210,6 @@ class Intake:
             self.bytes += round(share * taken)
             self.put_seconds += elapsed
             self.max_put_seconds = max(self.max_put_seconds, elapsed)
-            acks.wake.set()  # acknowledged soon, even if the next put waits long
         return True
 
 
@@ -235,6 +236,7 @@ class ProducerSession:
     async def run(self) -> str | None:
         """Take samples until the producer leaves; why it broke the protocol, or ``None``."""
         conn, name = self.conn, self.name
+        conn.read_in_large_chunks()  # a producer's frames are up to 2 MiB
         acks = _Acks(sent=self.intake.acked.get(name, -1))
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._ack_soon, conn, name, acks)
@@ -299,6 +301,8 @@ class ProducerSession:
                     if not await self._ack(conn, name, acks, force=True):
                         return None
                     since_ack = 0
+                elif held < count:  # put and not acknowledged yet: within _ACK_DELAY, by _ack_soon
+                    acks.wake.set()
             elif isinstance(message, Done):
                 if message.last_seq > acked:
                     return f"Done after seq {message.last_seq}, but the receiver holds up to {acked}"

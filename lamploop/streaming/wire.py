@@ -46,12 +46,9 @@ the token, and, on a producer's connection, refuses a sample of another producer
 that does not increase.  The header's fields are checked here, by hand, not by a converter:
 a batch's header is decoded for every frame, and this is the hot path of a stream.
 
-The samples of a batch that share one safetensors header
-are decoded together (a few torch calls per tensor name, not per sample).  Decoded tensors
-are views of the frame's bytes, without a copy, except in a frame of more than 8 samples and
-64 KiB, whose runs of that many are copied once each, and for samples much smaller than a
-frame of samples of several kinds (copied out): one sample kept long in a buffer holds its
-run's memory, not a whole frame's.
+A batch's payload is decoded by :mod:`lamploop.streaming.samples_payload`: the samples that
+share one safetensors header together, as views of the received bytes or of one copy of each
+run of 8 samples or 64 KiB (so that a sample kept long holds its run, not a whole frame).
 
 The proofs are the transport's HMAC (:func:`lamploop.transport.proofs.token_proof`) with
 labels of their own, so a proof of one kind is never accepted as another; the handshake and
@@ -74,14 +71,13 @@ import attrs
 import torch
 
 from lamploop.errors import FrameError, StreamingError
-from lamploop.streaming.tensor_bytes import (
-    Signature,
-    address_of,
-    decode_rows,
-    decode_tensors,
-    decode_tensors_signed,
-    encode_tensors,
+from lamploop.streaming.samples_payload import (
+    MAX_SAMPLES_PER_FRAME,
+    RUN_TAKEN_BYTES,
+    decode_samples,
+    take_samples,
 )
+from lamploop.streaming.tensor_bytes import Signature, decode_tensors, encode_tensors
 from lamploop.transport import frames
 from lamploop.transport.connection import FramedConnection
 from lamploop.transport.envelope import Envelope
@@ -146,21 +142,11 @@ MAX_PRODUCER_NAME_BYTES: Final = MAX_NAME_BYTES
 MAX_SEQ: Final = 2**63 - 1
 """The largest sequence number (they are counted from 0)."""
 
-MAX_SAMPLES_PER_FRAME: Final = 4096
-"""The most samples one ``"samples"`` frame carries (its header lists their sizes)."""
 
 _JSON_HEADER = struct.Struct(">H")
 _PROOF_CHARS = 128
 _ALIGN = 8
 _PADDING = bytes(_ALIGN)
-_COPY_BELOW_SHARE = 8
-"""A sample under 1/8 of its frame's body is copied out of the frame, not viewed in it (frames
-whose samples differ in size or kind: they are decoded one by one)."""
-_GROUP_SAMPLES = 8
-_GROUP_BYTES = 64 * 1024
-"""A frame of samples of one kind is decoded as a whole: its samples' tensors are views of the
-frame when it holds at most 8 samples or 64 KiB, else views of copies of runs of that many
-(8 samples or 64 KiB, whichever is more), so that a sample kept long holds no more than its run."""
 
 
 def check_producer_name(value: object) -> str | None:
@@ -414,7 +400,8 @@ def decode_body(body: bytes | bytearray) -> Message:
     A batch's tensors are views of ``body`` when it is a ``bytearray`` (they keep it alive),
     except in a batch of more than 8 samples and 64 KiB of one kind, whose runs of that many
     are copied first (one copy per run), and for samples under 1/8 of a body of samples of
-    several kinds, which are copied out; from ``bytes``, copies.
+    several kinds, which are copied out; from ``bytes``, copies.  (A :class:`FrameDecoder`
+    copies such runs straight from the received bytes instead, without gathering the body.)
 
     Raises:
         FrameError: the header is not a JSON object of a known type with exactly its fields
@@ -425,11 +412,26 @@ def decode_body(body: bytes | bytearray) -> Message:
         msg = f"a frame body of {len(body)} bytes is too short for its header"
         raise FrameError(msg)
     (length,) = _JSON_HEADER.unpack_from(body)
+    end = _header_end(length, len(body))
+    cls, tag, obj = _parse_header(body[_JSON_HEADER.size : end])
+    if cls is not SamplesFrame:
+        return _message(cls, tag, obj, len(body) - end)
+    _check_first_seq(tag, obj)
+    obj["samples"], obj["signatures"] = decode_samples(body, end, obj.pop("sizes"))
+    return _message(cls, tag, obj, 0)
+
+
+def _header_end(length: int, body_length: int) -> int:
     end = _JSON_HEADER.size + length
-    if end > len(body):
-        msg = f"a frame's header announces {length} bytes, but the body has only {len(body) - 2}"
+    if end > body_length:
+        msg = f"a frame's header announces {length} bytes, but the body has only {body_length - 2}"
         raise FrameError(msg)
-    cls, tag, obj = ENVELOPE.parse(body[_JSON_HEADER.size : end])
+    return end
+
+
+def _parse_header(raw: bytes | bytearray) -> tuple[type[Any], str, dict[str, Any]]:
+    """The class, tag and fields of a header, each field present and of its JSON type."""
+    cls, tag, obj = ENVELOPE.parse(raw)
     fields = _FIELDS[cls]
     if set(obj) != set(fields):
         missing, extra = sorted(set(fields) - set(obj)), sorted(set(obj) - set(fields))
@@ -440,64 +442,29 @@ def decode_body(body: bytes | bytearray) -> Message:
         if isinstance(value, bool) or not isinstance(value, expected):
             msg = f"malformed {tag!r} message: {name} must be {expected.__name__}, got {value!r:.40}"
             raise FrameError(msg)
-    if cls is not SamplesFrame and end != len(body):
-        msg = f"a {tag!r} message has no payload, got {len(body) - end} bytes after its header"
+    return cls, tag, obj
+
+
+def _check_first_seq(tag: str, obj: dict[str, Any]) -> None:
+    """A batch's first seq in range, checked before its payload is decoded."""
+    try:
+        _seq(None, attrs.fields(SamplesFrame).first_seq, obj["first_seq"])
+    except ValueError as exc:
+        msg = f"malformed {tag!r} message: {exc}"
+        raise FrameError(msg) from exc
+
+
+def _message(cls: type[Any], tag: str, obj: dict[str, Any], payload: int) -> Message:
+    """The message of ``cls`` with the fields ``obj`` (``payload``: bytes after a header that has none)."""
+    if cls is not SamplesFrame and payload:
+        msg = f"a {tag!r} message has no payload, got {payload} bytes after its header"
         raise FrameError(msg)
     try:
-        if cls is SamplesFrame:
-            _seq(None, attrs.fields(SamplesFrame).first_seq, obj["first_seq"])  # sound before the payload
-            obj["samples"], obj["signatures"] = _decode_samples(body, end, obj.pop("sizes"))
         message: Message = cls(**obj)
     except ValueError as exc:
         msg = f"malformed {tag!r} message: {exc}"
         raise FrameError(msg) from exc
     return message
-
-
-def _decode_samples(
-    body: bytes | bytearray, start: int, sizes: list[Any]
-) -> tuple[list[dict[str, torch.Tensor]], list[Signature]]:
-    """Each sample's tensors in ``body[start:]`` (payloads of these ``sizes``), and their signatures."""
-    if not 1 <= len(sizes) <= MAX_SAMPLES_PER_FRAME:
-        msg = f"sizes lists 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(sizes)}"
-        raise FrameError(f"malformed 'samples' message: {msg}")
-    if start % _ALIGN:
-        msg = f"malformed 'samples' message: its payload starts at byte {start} of the body, not 8-aligned"
-        raise FrameError(msg)
-    if not isinstance(body, bytearray):
-        body = bytearray(body)  # the tensors need memory of their own
-    offsets = []
-    offset = start
-    for size in sizes:
-        if type(size) is not int or size < 0:
-            msg = f"malformed 'samples' message: a size is not an int >= 0: {size!r:.40}"
-            raise FrameError(msg)
-        offsets.append(offset)
-        offset += size + (-size % _ALIGN)
-    if offset != len(body):
-        msg = (
-            f"malformed 'samples' message: sizes {sizes!s:.80} make {offset - start} bytes, "
-            f"the payload has {len(body) - start}"
-        )
-        raise FrameError(msg)
-    if len(sizes) > 1 and sizes.count(sizes[0]) == len(sizes):  # the usual frame: samples of one kind
-        stride = sizes[0] + (-sizes[0] % _ALIGN)
-        group = max(_GROUP_SAMPLES, _GROUP_BYTES // max(stride, 1))
-        rows = decode_rows(body, start, len(sizes), stride, sizes[0], group=group)
-        if rows is not None:
-            decoded, signature = rows
-            return decoded, [signature] * len(decoded)
-    samples = []
-    signatures = []
-    address = address_of(body)
-    for begin, size in zip(offsets, sizes, strict=True):
-        if size * _COPY_BELOW_SHARE < len(body):  # small: copied, so as not to pin the whole frame
-            tensors, signature = decode_tensors_signed(bytearray(body[begin : begin + size]))
-        else:
-            tensors, signature = decode_tensors_signed(body, begin, begin + size, address=address)
-        samples.append(tensors)
-        signatures.append(signature)
-    return samples, signatures
 
 
 class FrameDecoder(frames.FrameDecoder[tuple[Message, int]]):
@@ -521,6 +488,23 @@ class FrameDecoder(frames.FrameDecoder[tuple[Message, int]]):
         if isinstance(message, SamplesFrame):
             self._check_order(message)
         return message, HEADER_BYTES + len(body)
+
+    def decode_frame(self, length: int) -> tuple[Message, int]:
+        """:meth:`decode_body` of the next frame, taking its header and payload apart from the
+        received chunks (so that a batch's runs are copied once, straight into their memory)."""
+        if length <= RUN_TAKEN_BYTES:  # no run to copy apart: one take costs less than three
+            return self.decode_body(self.take(length))
+        (size,) = _JSON_HEADER.unpack(self.take(_JSON_HEADER.size))
+        end = _header_end(size, length)
+        cls, tag, obj = _parse_header(self.take(size))
+        if cls is not SamplesFrame:
+            return _message(cls, tag, obj, length - end), HEADER_BYTES + length
+        _check_first_seq(tag, obj)
+        obj["samples"], obj["signatures"] = take_samples(self.take, end, length - end, obj.pop("sizes"))
+        message = _message(cls, tag, obj, 0)
+        assert isinstance(message, SamplesFrame)
+        self._check_order(message)
+        return message, HEADER_BYTES + length
 
     def _check_order(self, batch: SamplesFrame) -> None:
         if self.producer is not None and batch.producer != self.producer:

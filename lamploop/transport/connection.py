@@ -113,6 +113,18 @@ class FramedConnection(Generic[Item]):
         """Whether an item already received waits to be read (the peer is not idle)."""
         return bool(self._pending)
 
+    def read_in_large_chunks(self) -> None:
+        """Let the socket hand over up to :data:`RECEIVE_BYTES` per read (a peer that streams
+        large frames: fewer reads, and fewer event-loop turns, per frame).
+
+        asyncio's socket transport reads at most 256 KiB at a time (its ``max_size``), each read
+        a turn of the event loop and a chunk for the decoder; a TLS stream, or another backend,
+        is left as it is.
+        """
+        transport = getattr(self.stream, "_transport", None)  # anyio's asyncio socket stream
+        if transport is not None and isinstance(getattr(transport, "max_size", None), int):
+            transport.max_size = max(transport.max_size, RECEIVE_BYTES)
+
     def authenticated(self, max_frame_bytes: int, *, name: str | None = None) -> None:
         """The peer proved the token: take frames up to ``max_frame_bytes``, several per read;
         ``name`` it in messages from now on, if given."""

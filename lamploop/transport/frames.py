@@ -118,6 +118,20 @@ class FrameDecoder(Generic[Item]):
         """The item of one frame's ``body`` (the protocol's); raises FrameError if it does not decode."""
         raise NotImplementedError
 
+    def decode_frame(self, length: int) -> Item:
+        """The item of the next frame, whose ``length`` bytes of body are all buffered.
+
+        By default :meth:`decode_body` of the body gathered into one ``bytearray``.  A protocol
+        may instead :meth:`take` the body in parts (exactly ``length`` bytes in all, unless it
+        raises FrameError), so that each part is copied once into the memory it ends up in.
+        """
+        return self.decode_body(self.take(length))
+
+    def take(self, count: int) -> bytearray:
+        """The next ``count`` buffered bytes (at most :attr:`buffered`), in a bytearray of their
+        own (copied once); only from :meth:`decode_frame`."""
+        return self._take(count)
+
     def _take(self, count: int) -> bytearray:
         """The next ``count`` bytes of the chunks, in a bytearray of their own (copied once)."""
         parts: list[memoryview] = []
@@ -165,7 +179,7 @@ class FrameDecoder(Generic[Item]):
                 if self._size < self._body:
                     break
                 length, self._body = self._body, None
-                items.append(self.decode_body(self._take(length)))
+                items.append(self.decode_frame(length))
                 if self.one_at_a_time:
                     break
         except FrameError as exc:

@@ -1,5 +1,5 @@
 """The refusals of rank extras, sync states and stream states (the multi-rank paths are in
-tests/test_stream_ranks.py and tests/sync/test_sync_state.py)."""
+tests/streaming/test_stream_ranks.py and tests/sync/test_sync_state.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A producer of deterministic samples, for tests/test_stream_resume.py.
+"""A producer of deterministic samples, for tests/streaming/test_stream_resume.py.
 
     python tests/workers/stream_producer.py PORT NAME COUNT [PACE_S]
 

@@ -1,4 +1,4 @@
-"""A streamed run of several ranks, each with its own buffer, for tests/test_stream_ranks.py.
+"""A streamed run of several ranks, each with its own buffer, for tests/streaming/test_stream_ranks.py.
 
     python tests/workers/stream_ranks.py CHECKPOINT_DIR LOG_PREFIX POLICY COUNTS [EXTRAS_ON]
 

@@ -1,4 +1,4 @@
-"""A streamed trainer that checkpoints its stream, for tests/test_stream_resume.py.
+"""A streamed trainer that checkpoints its stream, for tests/streaming/test_stream_resume.py.
 
     python tests/workers/stream_trainer.py PORT CHECKPOINT_DIR READS_LOG POLICY PRODUCERS...
 

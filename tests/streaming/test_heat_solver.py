@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 EXAMPLE = ROOT / "examples" / "streaming_heat"
 sys.path.insert(0, str(EXAMPLE))
 

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +19,7 @@ import anyio.abc
 import attrs
 import pytest
 import torch
+from support import ROOT
 
 from lamploop.control.wire import new_nonce
 from lamploop.errors import ConfigurationError, HandshakeError
@@ -42,7 +42,7 @@ from lamploop.streaming.wire import (
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 TOKEN = b"the streaming secret"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 
 
 class ListSink:

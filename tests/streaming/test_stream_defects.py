@@ -13,7 +13,6 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ import anyio.abc
 import pytest
 import torch
 from anyio.streams.buffered import BufferedByteReceiveStream
+from support import ROOT
 
 import lamploop
 from lamploop.errors import HandshakeError, StreamingError
@@ -31,7 +31,7 @@ from lamploop.streaming.receiver import SampleReceiver
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 TOKEN = "the streaming secret of issue 21"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 
 
 async def eventually(condition: Callable[[], bool], within: float = 10.0) -> None:

@@ -23,11 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from support import ROOT, WORKERS
 
 from lamploop.checkpoint import latest_checkpoint, load_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "workers" / "stream_ranks.py"
+ROOT = ROOT
+WORKER = WORKERS / "stream_ranks.py"
 COUNTS = (12, 28)  # rank 0 runs dry long before rank 1
 
 

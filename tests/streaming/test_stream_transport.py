@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,6 +27,7 @@ import safetensors.torch
 import torch
 import trustme
 from anyio.streams.buffered import BufferedByteReceiveStream
+from support import ROOT
 
 from lamploop.errors import (
     ConfigurationError,
@@ -67,7 +67,7 @@ from lamploop.transport.proofs import new_nonce, token_proof
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 TOKEN = b"the streaming secret"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 
 
 # -- helpers --

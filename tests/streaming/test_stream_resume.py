@@ -23,12 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import free_port
+from support import ROOT, WORKERS, free_port
 
 from lamploop.checkpoint import latest_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+ROOT = ROOT
+WORKERS = WORKERS
 SAMPLES = 40
 NAMES = ("sim-a", "sim-b")
 

@@ -255,6 +255,14 @@ class ProducerSession:
     async def _read_frames(
         self, conn: FramedStream, name: str, acks: _Acks, idle: anyio.CancelScope
     ) -> str | None:
+        """Take the producer's frames until it leaves: why it broke the protocol, or ``None``.
+
+        Each batch drops the samples the receiver holds already, puts the rest (via the
+        intake, checked against the stream's first sample) and is acknowledged every
+        ``ack_every`` samples or when the stream pauses; a Done is acknowledged at once.
+        ``None`` also when the connection is lost or closed, or the sink failed (the
+        receiver fails then).  ``idle``'s deadline bounds each wait for a frame.
+        """
         since_ack = 0
         done = False
         while True:

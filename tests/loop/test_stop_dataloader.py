@@ -197,7 +197,12 @@ def test_a_dataloader_worker_that_leaves_signals_to_the_run_outlives_a_sigterm_f
 ) -> None:
     data = TensorDataset(torch.arange(64.0))
     init = leave_stop_signals_to_the_run if ignoring else None
-    it = iter(DataLoader(data, batch_size=4, num_workers=1, worker_init_fn=init))
+    # A spawned worker: a forked one inherits whatever threads earlier tests left in this
+    # process (a fresh-clone run once saw it abort before its first batch).
+    loader = DataLoader(
+        data, batch_size=4, num_workers=1, worker_init_fn=init, multiprocessing_context="spawn"
+    )
+    it = iter(loader)
     first = next(it)
     pid = it._workers[0].pid  # type: ignore[attr-defined]
     # From another process (as a group signal comes): torch's worker exits only on its parent's.

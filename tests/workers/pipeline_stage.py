@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import AsyncIterator
@@ -137,12 +138,19 @@ async def _run(run: dict[str, Any], workdir: Path, rank: int, world_size: int) -
             "message": str(exc),
             "traceback": traceback.format_exc(),
         }
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
+        _write_json(out / f"rank{rank}.json", result)
         raise
     save_file(
         {k: v.contiguous() for k, v in stage.state_dict().items()}, str(out / f"rank{rank}.safetensors")
     )
-    (out / f"rank{rank}.json").write_text(json.dumps({"ok": True, "state": converter.unstructure(state)}))
+    _write_json(out / f"rank{rank}.json", {"ok": True, "state": converter.unstructure(state)})
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write atomically: the test polls for the file and reads it as soon as it exists."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def _pickled(*args: object, **kwargs: object) -> None:

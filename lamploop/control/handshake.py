@@ -20,16 +20,21 @@ from lamploop.control.wire import (
     PROTOCOL_VERSION,
     Challenge,
     Hello,
-    Refuse,
     Welcome,
     follower_proof,
     new_nonce,
-    proof_matches,
     root_proof,
 )
 from lamploop.errors import ControlChannelError, HandshakeError
 from lamploop.modelspec import describe_mismatch
-from lamploop.transport.handshake import HelloRules, NotAChallenge, judge_challenge, receive_hello
+from lamploop.transport.handshake import (
+    HelloRules,
+    NotAChallenge,
+    NotWelcomed,
+    judge_challenge,
+    judge_welcome,
+    receive_hello,
+)
 
 __all__ = ["RULES", "authenticate_follower", "greet_root", "mismatch"]
 
@@ -101,15 +106,15 @@ async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version:
     hello = Hello(protocol_version, rank, run.nranks, run.model_spec, new_nonce(), proof="")
     hello = attrs.evolve(hello, proof=follower_proof(run.token, root_nonce=challenge.nonce, hello=hello))
     await conn.send(hello)
-    reply = await conn.receive()
-    if isinstance(reply, Refuse):
-        msg = f"rank {rank} refused by root: {reply.reason}"
-        raise HandshakeError(msg)
-    if not isinstance(reply, Welcome):
-        what = "closed the connection" if reply is None else f"sent {type(reply).__name__}"
-        msg = f"rank {rank}: {conn.peer} {what} instead of answering the hello"
-        raise ControlChannelError(msg)
-    if not proof_matches(root_proof(run.token, root_nonce=challenge.nonce, hello=hello), reply.proof):
-        msg = f"rank {rank}: {conn.peer} did not prove the shared token (another root or token)"
-        raise HandshakeError(msg)
+    expected = root_proof(run.token, root_nonce=challenge.nonce, hello=hello)
+    try:
+        judge_welcome(await conn.receive(), Welcome, expected_proof=lambda _welcome: expected)
+    except NotWelcomed as exc:
+        if exc.case == "refused":
+            raise HandshakeError(f"rank {rank} refused by root: {exc.detail}") from None
+        if exc.case == "no welcome":  # not a root that speaks this protocol: a channel failure
+            msg = f"rank {rank}: {conn.peer} {exc.detail} instead of answering the hello"
+            raise ControlChannelError(msg) from None
+        msg = f"rank {rank}: {conn.peer} {exc.detail} (another root or token)"
+        raise HandshakeError(msg) from None
     conn.joined()

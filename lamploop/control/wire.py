@@ -27,7 +27,15 @@ from lamploop.transport import frames
 from lamploop.transport.envelope import Envelope, wire_converter
 from lamploop.transport.frames import HEADER_BYTES
 from lamploop.transport.handshake import Refuse
-from lamploop.transport.proofs import NONCE_HEX_CHARS, is_nonce, new_nonce, proof_matches, token_proof
+from lamploop.transport.proofs import (
+    NONCE_HEX_CHARS,
+    client_proof,
+    is_nonce,
+    new_nonce,
+    proof_matches,
+    server_proof,
+    token_proof,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -236,16 +244,12 @@ def preauth_frame_limit(nranks: int, model_spec: ModelSpec, max_frame_bytes: int
     return frames.preauth_frame_bytes(max_frame_bytes, hello_bytes=own, floor_factor=PREAUTH_FLOOR_FACTOR)
 
 
-def _transcript(hello: Hello) -> bytes:
-    """The canonical JSON of every field of ``hello`` but its proof."""
-    fields = ENVELOPE.fields(hello)
-    del fields["proof"]
-    return ENVELOPE.dump(fields)
-
-
 def follower_proof(token: bytes, *, root_nonce: str, hello: Hello) -> str:
     """HMAC-SHA256 under ``token`` of the root's nonce and ``hello`` (whose own proof is ignored)."""
-    return token_proof(token, b"lamploop-control follower proof", root_nonce.encode(), _transcript(hello))
+    transcript = ENVELOPE.transcript(hello, tagged=True)
+    return client_proof(
+        token, b"lamploop-control follower proof", server_nonce=root_nonce, transcript=transcript
+    )
 
 
 def root_proof(token: bytes, *, root_nonce: str, hello: Hello) -> str:
@@ -254,6 +258,11 @@ def root_proof(token: bytes, *, root_nonce: str, hello: Hello) -> str:
     A label distinct from :func:`follower_proof`'s keeps a follower's proof from being
     reflected back to it as the root's.
     """
-    return token_proof(
-        token, b"lamploop-control root proof", hello.nonce.encode(), root_nonce.encode(), _transcript(hello)
+    transcript = ENVELOPE.transcript(hello, tagged=True)
+    return server_proof(
+        token,
+        b"lamploop-control root proof",
+        client_nonce=hello.nonce,
+        server_nonce=root_nonce,
+        transcript=transcript,
     )

@@ -39,12 +39,14 @@ from lamploop.transport.connection import FramedConnection
 from lamploop.transport.handshake import (
     HelloRules,
     NotAChallenge,
+    NotWelcomed,
     Refusal,
     judge_challenge,
+    judge_welcome,
     receive_hello,
     version_mismatch,
 )
-from lamploop.transport.proofs import new_nonce, proof_matches
+from lamploop.transport.proofs import new_nonce
 
 __all__ = ["RULES", "Link", "accept_node", "join_aggregator"]
 
@@ -156,17 +158,16 @@ async def join_aggregator(link: Link, token: bytes, name: str) -> None:
         node_proof(token, aggregator_nonce=challenge.nonce, hello=unsigned),
     )
     await link.send(hello)
-    answer = await link.receive()
-    if isinstance(answer, Refuse):
-        msg = f"the aggregator at {link.peer} refused node {name!r}: {answer.reason}"
-        raise HandshakeError(msg)
-    if not isinstance(answer, Welcome):
-        what = "closed the connection" if answer is None else f"sent a {type(answer).__name__}"
-        msg = f"the aggregator at {link.peer} {what} instead of a welcome"
-        raise HandshakeError(msg)
-    if not proof_matches(
-        aggregator_proof(token, aggregator_nonce=challenge.nonce, hello=hello), answer.proof
-    ):
-        msg = f"the aggregator at {link.peer} did not prove the token: not the aggregator this node trusts"
-        raise HandshakeError(msg)
+    expected = aggregator_proof(token, aggregator_nonce=challenge.nonce, hello=hello)
+    try:
+        judge_welcome(await link.receive(), Welcome, expected_proof=lambda _welcome: expected)
+    except NotWelcomed as exc:
+        aggregator = f"the aggregator at {link.peer}"
+        if exc.case == "refused":
+            msg = f"{aggregator} refused node {name!r}: {exc.detail}"
+        elif exc.case == "no welcome":
+            msg = f"{aggregator} {exc.detail} instead of a welcome"
+        else:
+            msg = f"{aggregator} {exc.detail}: not the aggregator this node trusts"
+        raise HandshakeError(msg) from None
     link.authenticated(link.max_frame_bytes, name="the aggregator")

@@ -46,9 +46,16 @@ import torch
 from lamploop.errors import FrameError
 from lamploop.safetensors_layout import safetensors_parts
 from lamploop.transport import frames
-from lamploop.transport.envelope import Envelope, wire_converter
-from lamploop.transport.handshake import Refuse
-from lamploop.transport.proofs import MAX_NAME_BYTES, check_name, name_validator, nonce_validator, token_proof
+from lamploop.transport.envelope import Envelope, exact_type, wire_converter
+from lamploop.transport.handshake import Challenge, Refuse
+from lamploop.transport.proofs import (
+    MAX_NAME_BYTES,
+    check_name,
+    client_proof,
+    name_validator,
+    nonce_validator,
+    server_proof,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -110,14 +117,6 @@ def _non_negative(_: object, attribute: attrs.Attribute[Any], value: Any) -> Non
     if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
         msg = f"{attribute.name} must be finite and >= 0, got {value!r}"
         raise ValueError(msg)
-
-
-@attrs.frozen
-class Challenge:
-    """Aggregator → node, first frame on every connection: its protocol version and nonce."""
-
-    protocol_version: int
-    nonce: str = attrs.field(validator=nonce_validator)
 
 
 @attrs.frozen
@@ -223,16 +222,9 @@ def _is_tensors(t: Any) -> bool:
     return bool(t == Mapping[str, torch.Tensor])
 
 
-def _an_object(value: Any, _type: Any) -> Any:
-    if not isinstance(value, dict):
-        msg = f"expected an object, got {type(value).__name__} {value!r:.40}"
-        raise TypeError(msg)
-    return value
-
-
 def _make_converter() -> cattrs.Converter:
     converter = wire_converter()
-    converter.register_structure_hook_func(lambda t: t == dict[str, Any], _an_object)
+    converter.register_structure_hook_func(lambda t: t == dict[str, Any], exact_type(dict, "an object"))
     # Tensors travel as the payload, not in the JSON header: the codec handles them itself.
     converter.register_structure_hook_func(_is_tensors, lambda value, _type: value)
     converter.register_unstructure_hook_func(_is_tensors, lambda _value: {})
@@ -355,23 +347,18 @@ class FrameDecoder(frames.FrameDecoder[Message]):
 # -- proofs --
 
 
-def _transcript(hello: Hello) -> bytes:
-    fields = attrs.asdict(hello)
-    del fields["proof"]
-    return ENVELOPE.dump(fields)
-
-
 def node_proof(token: bytes, *, aggregator_nonce: str, hello: Hello) -> str:
     """HMAC-SHA256 under ``token`` of the aggregator's nonce and ``hello`` (its own proof ignored)."""
-    return token_proof(token, b"lamploop-federated node proof", aggregator_nonce.encode(), _transcript(hello))
+    transcript = ENVELOPE.transcript(hello, tagged=False)
+    return client_proof(
+        token, b"lamploop-federated node proof", server_nonce=aggregator_nonce, transcript=transcript
+    )
 
 
 def aggregator_proof(token: bytes, *, aggregator_nonce: str, hello: Hello) -> str:
     """HMAC-SHA256 under ``token`` of the node's nonce, the aggregator's nonce and ``hello``."""
-    return token_proof(
-        token,
-        b"lamploop-federated aggregator proof",
-        hello.nonce.encode(),
-        aggregator_nonce.encode(),
-        _transcript(hello),
+    transcript = ENVELOPE.transcript(hello, tagged=False)
+    label = b"lamploop-federated aggregator proof"
+    return server_proof(
+        token, label, client_nonce=hello.nonce, server_nonce=aggregator_nonce, transcript=transcript
     )

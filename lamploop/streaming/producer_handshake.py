@@ -3,10 +3,11 @@
 :func:`connect` opens a connection to a receiver (with the transport's pre-authentication
 limit, one frame at a time); :func:`greet` runs the client's side of the transport's handshake
 (:mod:`lamploop.transport.handshake`): the challenge (its version checked here, before
-answering), the hello with the proof of the token, then the receiver's Welcome, whose proof must
-match, or its :class:`~lamploop.streaming.wire.Redirect` (with a proof of its own), or its
-Refuse.  What can be tried again raises :class:`ConnectionLost`; what cannot,
-:class:`~lamploop.errors.HandshakeError`.
+answering), the hello with the proof of the token, then the receiver's
+:class:`~lamploop.streaming.wire.Redirect` (with a proof of its own), or the transport's checks
+of a Refuse or a Welcome, whose proof must match
+(:func:`~lamploop.transport.handshake.judge_welcome`).  What can be tried again raises
+:class:`ConnectionLost`; what cannot, :class:`~lamploop.errors.HandshakeError`.
 
 .. versionadded:: 0.3
    split from :mod:`lamploop.streaming.producer`.
@@ -27,7 +28,6 @@ from lamploop.streaming.wire import (
     FramedStream,
     Hello,
     Redirect,
-    Refuse,
     Welcome,
     encode_frame,
     producer_proof,
@@ -35,7 +35,13 @@ from lamploop.streaming.wire import (
     redirect_proof,
 )
 from lamploop.transport import frames, tls
-from lamploop.transport.handshake import NotAChallenge, judge_challenge, version_mismatch
+from lamploop.transport.handshake import (
+    NotAChallenge,
+    NotWelcomed,
+    judge_challenge,
+    judge_welcome,
+    version_mismatch,
+)
 from lamploop.transport.proofs import new_nonce, proof_matches
 
 __all__ = ["ConnectionLost", "Redirected", "connect", "greet"]
@@ -118,10 +124,7 @@ async def greet(
         raise
     except TransportError as exc:  # transport errors and bad frames
         raise ConnectionLost(str(exc)) from exc
-    if isinstance(reply, Refuse):
-        msg = f"producer {name!r} refused by {receiver}: {reply.reason}"
-        raise HandshakeError(msg)
-    if isinstance(reply, Redirect):
+    if isinstance(reply, Redirect):  # streaming's own answer, with a proof of its own
         expected = redirect_proof(
             token, receiver_nonce=challenge.nonce, hello=hello, host=reply.host, port=reply.port
         )
@@ -129,20 +132,25 @@ async def greet(
             msg = f"producer {name!r}: {receiver} redirected it without proving the shared token"
             raise HandshakeError(msg)
         raise Redirected(reply.host, reply.port)
-    if not isinstance(reply, Welcome):
-        what = "closed the connection" if reply is None else f"sent {type(reply).__name__}"
-        raise ConnectionLost(f"{receiver} {what} instead of answering the hello")
-    expected = receiver_proof(
-        token,
-        receiver_nonce=challenge.nonce,
-        hello=hello,
-        acked_seq=reply.acked_seq,
-        max_frame_bytes=reply.max_frame_bytes,
-    )
-    if not proof_matches(expected, reply.proof):
-        msg = f"producer {name!r}: {receiver} did not prove the shared token (another token?)"
-        raise HandshakeError(msg)
-    return reply
+
+    def welcome_proof(welcome: Welcome) -> str:  # the welcome's own fields are proved too
+        return receiver_proof(
+            token,
+            receiver_nonce=challenge.nonce,
+            hello=hello,
+            acked_seq=welcome.acked_seq,
+            max_frame_bytes=welcome.max_frame_bytes,
+        )
+
+    try:
+        return judge_welcome(reply, Welcome, expected_proof=welcome_proof)
+    except NotWelcomed as exc:
+        if exc.case == "refused":
+            raise HandshakeError(f"producer {name!r} refused by {receiver}: {exc.detail}") from None
+        if exc.case == "no welcome":  # a hang-up or a confused receiver: try again
+            raise ConnectionLost(f"{receiver} {exc.detail} instead of answering the hello") from None
+        msg = f"producer {name!r}: {receiver} {exc.detail} (another token?)"
+        raise HandshakeError(msg) from None
 
 
 async def _secure(

@@ -85,7 +85,6 @@ from lamploop.streaming.wire_messages import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
-    Challenge,
     Done,
     Hello,
     Message,
@@ -99,7 +98,7 @@ from lamploop.streaming.wire_proofs import producer_proof, receiver_proof, redir
 from lamploop.transport import frames
 from lamploop.transport.connection import FramedConnection
 from lamploop.transport.frames import HEADER_BYTES
-from lamploop.transport.handshake import Refuse
+from lamploop.transport.handshake import Challenge, Refuse
 from lamploop.transport.proofs import check_token
 
 __all__ = [

@@ -18,7 +18,7 @@ from lamploop.streaming.samples_payload import MAX_SAMPLES_PER_FRAME
 from lamploop.streaming.tensor_bytes import Signature
 from lamploop.transport import frames
 from lamploop.transport.envelope import Envelope
-from lamploop.transport.handshake import Refuse
+from lamploop.transport.handshake import Challenge, Refuse
 from lamploop.transport.proofs import MAX_NAME_BYTES, check_name, name_validator, nonce_validator
 
 PROTOCOL_VERSION: Final = 2
@@ -92,14 +92,6 @@ def _samples(instance: SamplesFrame, attribute: attrs.Attribute[Any], value: tup
     if instance.first_seq + len(value) - 1 > MAX_SEQ:
         msg = f"seqs {instance.first_seq}.. of {len(value)} samples go past 2**63-1"
         raise ValueError(msg)
-
-
-@attrs.frozen
-class Challenge:
-    """Receiver → producer, first frame on every connection: its protocol version and nonce."""
-
-    protocol_version: int
-    nonce: str = attrs.field(validator=nonce_validator)
 
 
 @attrs.frozen

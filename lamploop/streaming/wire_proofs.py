@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import json
 
-import attrs
-
 from lamploop.streaming.wire_messages import ENVELOPE, Hello
-from lamploop.transport.proofs import token_proof
-
-
-def _transcript(hello: Hello) -> bytes:
-    """The canonical JSON of every field of ``hello`` but its proof."""
-    fields = attrs.asdict(hello)
-    del fields["proof"]
-    return ENVELOPE.dump(fields)
+from lamploop.transport.proofs import client_proof, server_proof
 
 
 def producer_proof(token: bytes, *, receiver_nonce: str, hello: Hello) -> str:
     """HMAC-SHA256 under ``token`` of the receiver's nonce and ``hello`` (whose own proof is ignored)."""
-    return token_proof(token, b"lamploop-stream producer proof", receiver_nonce.encode(), _transcript(hello))
+    transcript = ENVELOPE.transcript(hello, tagged=False)
+    return client_proof(
+        token, b"lamploop-stream producer proof", server_nonce=receiver_nonce, transcript=transcript
+    )
 
 
 def receiver_proof(
@@ -31,24 +25,26 @@ def receiver_proof(
 ) -> str:
     """HMAC-SHA256 under ``token`` of the producer's nonce, the receiver's, ``hello`` and the
     Welcome's ``acked_seq`` and ``max_frame_bytes``."""
-    return token_proof(
-        token,
-        b"lamploop-stream receiver proof",
-        hello.nonce.encode(),
-        receiver_nonce.encode(),
-        _transcript(hello),
-        f"{acked_seq} {max_frame_bytes}".encode(),
+    return _receiver_answer(
+        token, b"lamploop-stream receiver proof", receiver_nonce, hello, f"{acked_seq} {max_frame_bytes}"
     )
 
 
 def redirect_proof(token: bytes, *, receiver_nonce: str, hello: Hello, host: str, port: int) -> str:
     """HMAC-SHA256 under ``token`` of the producer's nonce, the receiver's, ``hello`` and the
     address a :class:`Redirect` names (so nobody but a receiver knowing the token redirects)."""
-    return token_proof(
+    return _receiver_answer(
+        token, b"lamploop-stream redirect proof", receiver_nonce, hello, json.dumps([host, port])
+    )
+
+
+def _receiver_answer(token: bytes, label: bytes, receiver_nonce: str, hello: Hello, answer: str) -> str:
+    transcript = ENVELOPE.transcript(hello, tagged=False)
+    return server_proof(
         token,
-        b"lamploop-stream redirect proof",
-        hello.nonce.encode(),
-        receiver_nonce.encode(),
-        _transcript(hello),
-        json.dumps([host, port]).encode(),
+        label,
+        answer.encode(),
+        client_nonce=hello.nonce,
+        server_nonce=receiver_nonce,
+        transcript=transcript,
     )

@@ -19,16 +19,20 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import cattrs
 
 from lamploop.errors import FrameError
 from lamploop.strict_json import strict_converter
 
-__all__ = ["Envelope", "canonical_json", "wire_converter"]
+__all__ = ["Envelope", "canonical_json", "exact_type", "wire_converter"]
 
 
-def _exact(expected: type[Any] | tuple[type[Any], ...], name: str) -> Callable[[Any, Any], Any]:
-    """A structure hook that accepts only JSON values of the exact type (no ``"1"`` -> 1, no bools)."""
+def exact_type(expected: type[Any] | tuple[type[Any], ...], name: str) -> Callable[[Any, Any], Any]:
+    """A structure hook that accepts only JSON values of the exact type (no ``"1"`` -> 1, no bools).
+
+    ``name`` says what was expected in the error (``"an integer"``, ``"an object"``).
+    """
 
     def hook(value: Any, _type: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, expected):
@@ -58,9 +62,9 @@ def wire_converter() -> cattrs.Converter:
     protocol's own hooks to it (a model spec, tensors carried apart)."""
     converter = strict_converter()
     converter.register_structure_hook(bool, _boolean)
-    converter.register_structure_hook(int, _exact(int, "an integer"))
+    converter.register_structure_hook(int, exact_type(int, "an integer"))
     converter.register_structure_hook(float, _number)
-    converter.register_structure_hook(str, _exact(str, "a string"))
+    converter.register_structure_hook(str, exact_type(str, "a string"))
     return converter
 
 
@@ -134,6 +138,19 @@ class Envelope:
             FrameError: not a message of the protocol, or a non-finite number in it.
         """
         return self.dump(self.fields(message))
+
+    def transcript(self, hello: Any, *, tagged: bool) -> bytes:
+        """What a handshake proof signs of ``hello``: the canonical JSON of its fields but ``proof``.
+
+        ``tagged``: the tagged object through the converter (:meth:`fields`, the control
+        channel's choice); else the bare attrs fields without the tag (streaming's and
+        federated's).  The choice is part of each protocol's wire: another one changes every
+        proof, and a peer of the previous release would be refused for a wrong token instead of
+        being told it speaks another version.
+        """
+        fields = self.fields(hello) if tagged else attrs.asdict(hello)
+        del fields["proof"]
+        return self.dump(fields)
 
     def dump(self, obj: Mapping[str, Any]) -> bytes:
         """The canonical JSON of a tagged object (or of part of one); FrameError on a non-finite number."""

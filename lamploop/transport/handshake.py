@@ -28,10 +28,17 @@ token, and a peer that proved it is told precisely why it does not fit.  :func:`
 is steps 1 to 3, without I/O; :func:`receive_hello` sends the challenge and judges the answer.
 
 **The client** checks that the first frame is a challenge (:func:`judge_challenge`), answers
-with its hello, then reads the reply: a Refuse carries the server's reason, and a Welcome's
-proof must match (:func:`proof_matches`) before anything else the server sends is believed.
-Where the client checks the challenge's version itself is each protocol's choice, named in
-docs/transport.md.
+with its hello, then judges the reply (:func:`judge_welcome`), in this order, in every protocol:
+
+1. a Refuse carries the server's reason;
+2. anything but the protocol's welcome (a hang-up included) is a failure naming what came;
+3. **the welcome's proof** of the token must match before anything in it (or after it) is
+   believed.
+
+Each failure is a :class:`NotWelcomed` saying which case it was; each client words it as its
+own error (which of them may be tried again is the protocol's).  Where the client checks the
+challenge's version itself, and a protocol's other answers (streaming's ``Redirect``, checked
+before the welcome), are each protocol's choice, named in docs/transport.md.
 
 .. versionadded:: 0.3
 """
@@ -39,28 +46,45 @@ docs/transport.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 import attrs
 
 from lamploop.errors import TransportError
 from lamploop.transport.connection import FramedConnection
-from lamploop.transport.proofs import is_nonce, proof_matches
+from lamploop.transport.proofs import is_nonce, nonce_validator, proof_matches
 
 __all__ = [
     "WRONG_TOKEN",
+    "Challenge",
     "HelloRules",
     "NotAChallenge",
+    "NotWelcomed",
     "Refusal",
     "Refuse",
+    "WelcomeFailure",
     "judge_challenge",
     "judge_hello",
+    "judge_welcome",
     "receive_hello",
     "version_mismatch",
 ]
 
 WRONG_TOKEN = "the proof of the shared token did not match (wrong token?)"
 """Why a hello whose proof does not match is refused, in every protocol."""
+
+
+@attrs.frozen
+class Challenge:
+    """Server → client, first frame on every connection: its protocol version and nonce.
+
+    The streaming and federated challenge (each sends it under the tag ``"challenge"``); one
+    with a malformed nonce does not decode.  The control channel keeps a challenge of its own
+    that decodes any nonce (its follower judges it, :func:`judge_challenge`), as released.
+    """
+
+    protocol_version: int
+    nonce: str = attrs.field(validator=nonce_validator)
 
 
 @attrs.frozen
@@ -88,6 +112,16 @@ class Hello(Protocol):
 
 
 H = TypeVar("H", bound=Hello)
+
+
+class _Proving(Protocol):
+    """What every protocol's welcome has."""
+
+    @property
+    def proof(self) -> str: ...
+
+
+W = TypeVar("W", bound=_Proving)
 
 
 class _Receives(Protocol):
@@ -215,5 +249,51 @@ def judge_challenge(message: object, challenge_type: type[Any]) -> Any:
     """
     if isinstance(message, challenge_type) and is_nonce(getattr(message, "nonce", None)):
         return message
-    what = "closed the connection" if message is None else f"sent {type(message).__name__}"
-    raise NotAChallenge(what)
+    raise NotAChallenge(_what_came(message))
+
+
+WelcomeFailure: TypeAlias = Literal["refused", "no welcome", "unproven"]
+"""How a server's reply to a hello failed the client (:class:`NotWelcomed`)."""
+
+
+class NotWelcomed(Exception):
+    """The server's reply to a client's hello was no proven welcome (:func:`judge_welcome`).
+
+    ``case`` says which check failed and ``detail`` completes a message "the server ...":
+
+    - ``"refused"``: a Refuse; ``detail`` is the server's reason;
+    - ``"no welcome"``: something else came; ``detail`` says what ("closed the connection",
+      "sent Heartbeat"), to be followed by "instead of ...";
+    - ``"unproven"``: a welcome whose proof does not match; ``detail`` is "did not prove the
+      shared token".
+    """
+
+    def __init__(self, case: WelcomeFailure, detail: str) -> None:
+        super().__init__(f"{case}: {detail}")
+        self.case: WelcomeFailure = case
+        self.detail = detail
+
+
+def judge_welcome(reply: object, welcome_type: type[W], *, expected_proof: Callable[[W], str]) -> W:
+    """``reply`` if it is a welcome that proves the token (the client's check of the server's answer).
+
+    The checks, in the module's order: a Refuse, then anything but a ``welcome_type`` (``None``:
+    the server hung up), then the welcome's proof against ``expected_proof(reply)`` (a welcome's
+    own fields may be part of what it proves: streaming's acknowledged seq).  A protocol's other
+    answers are its own to check before (streaming's ``Redirect``).
+
+    Raises:
+        NotWelcomed: which check failed, and the detail.
+    """
+    if isinstance(reply, Refuse):
+        raise NotWelcomed("refused", reply.reason)
+    if not isinstance(reply, welcome_type):
+        raise NotWelcomed("no welcome", _what_came(reply))
+    if not proof_matches(expected_proof(reply), reply.proof):
+        raise NotWelcomed("unproven", "did not prove the shared token")
+    return reply
+
+
+def _what_came(message: object) -> str:
+    """What a peer did instead of sending the expected message (a received ``None``: it hung up)."""
+    return "closed the connection" if message is None else f"sent {type(message).__name__}"

@@ -32,11 +32,13 @@ __all__ = [
     "NONCE_HEX_CHARS",
     "check_name",
     "check_token",
+    "client_proof",
     "is_nonce",
     "name_validator",
     "new_nonce",
     "nonce_validator",
     "proof_matches",
+    "server_proof",
     "token_proof",
 ]
 
@@ -112,6 +114,21 @@ def token_proof(token: bytes, label: bytes, *parts: bytes) -> str:
     for part in (label, *parts):
         mac.update(_LENGTH.pack(len(part)) + part)
     return mac.hexdigest()
+
+
+def client_proof(token: bytes, label: bytes, *, server_nonce: str, transcript: bytes) -> str:
+    """A client's proof in the handshake: :func:`token_proof` of the server's nonce and the
+    ``transcript`` of the client's hello (:meth:`~lamploop.transport.envelope.Envelope.transcript`)."""
+    return token_proof(token, label, server_nonce.encode(), transcript)
+
+
+def server_proof(
+    token: bytes, label: bytes, *answer: bytes, client_nonce: str, server_nonce: str, transcript: bytes
+) -> str:
+    """A server's proof in its answer to a hello: :func:`token_proof` of the client's nonce, the
+    server's, the hello's ``transcript`` and what the ``answer`` itself carries (parts of it the
+    client acts on: streaming's acknowledged seq, a redirect's address)."""
+    return token_proof(token, label, client_nonce.encode(), server_nonce.encode(), transcript, *answer)
 
 
 def proof_matches(expected: str, received: str) -> bool:

@@ -210,7 +210,22 @@ def blocking(run: Callable[P, Awaitable[R]]) -> Callable[P, R]:
             return anyio.run(job)
         return _beside_the_loop(job)
 
+    name = run.__name__.removesuffix("_async")
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = _blocking_doc(run.__doc__ or "", run.__name__)
     return call
+
+
+def _blocking_doc(doc: str, async_name: str) -> str:
+    """``doc`` with a paragraph after its summary line saying how the blocking form runs."""
+    summary, _, rest = doc.partition("\n")
+    note = (
+        f"Blocking: runs :func:`{async_name}` in a new event loop, on a thread of its own when\n"
+        "called inside one (as in a notebook)."
+    )
+    indent = next((line[: len(line) - len(line.lstrip())] for line in rest.splitlines() if line.strip()), "")
+    paragraph = "\n".join(indent + line for line in note.splitlines())
+    return f"{summary}\n\n{paragraph}\n{rest}" if rest else f"{summary}\n\n{paragraph}\n"
 
 
 def _beside_the_loop(job: Callable[[], Awaitable[R]]) -> R:

@@ -272,7 +272,7 @@ async def drive_distributed_training(
         train_batches=train_batches,
         validation_batches=validation_batches,
         settings=settings,
-        stop=stop if stop is not None else StopRequest(),
+        stop=stop,
         save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
         resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
         saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},

@@ -120,7 +120,7 @@ async def follow_distributed_training(
         train_batches=train_batches,
         validation_batches=validation_batches,
         settings=settings,
-        stop=stop if stop is not None else StopRequest(),
+        stop=stop,
         extras=rank_extras(checkpoint_extras, rank, nranks),
     )
     async with open_replica(plan, connect, AbortSignal()) as replica:

@@ -49,6 +49,11 @@ __all__ = ["Replica", "learning_rates", "open_replica", "saved_beside_optimizer"
 _STORE_PREFIX = "lamploop"
 
 
+def _stop_request(stop: StopRequest | None) -> StopRequest:
+    """The caller's stop request, or a fresh one that nothing outside sets (the drivers' ``stop=None``)."""
+    return StopRequest() if stop is None else stop
+
+
 @attrs.frozen(kw_only=True)
 class RankPlan:
     """What one rank brings to :func:`open_replica`.
@@ -75,7 +80,7 @@ class RankPlan:
     train_batches: BatchStreamFactory
     validation_batches: BatchStreamFactory | None
     settings: TrainingSettings
-    stop: StopRequest = attrs.field(factory=StopRequest)
+    stop: StopRequest = attrs.field(factory=StopRequest, converter=_stop_request)  # None: a fresh one
     save: SavePosition | None = None
     resume: tuple[EpochPosition | None, Sequence[RngStates]] | None = None
     saved: Mapping[str, Any] = attrs.field(factory=dict)

@@ -271,10 +271,3 @@ async def fit_async(
 
 
 fit = blocking(fit_async)
-fit.__name__ = fit.__qualname__ = "fit"
-fit.__doc__ = (fit_async.__doc__ or "").replace(
-    "Train ``model``,",
-    "Train ``model`` (blocking: runs :func:`fit_async` in a new event loop, on a thread of its own "
-    "when called inside one, as in a notebook),",
-    1,
-)

@@ -169,10 +169,3 @@ def _device(device: torch.device | str | None, module: torch.nn.Module) -> torch
 
 
 lr_find = blocking(lr_find_async)
-lr_find.__name__ = lr_find.__qualname__ = "lr_find"
-lr_find.__doc__ = (lr_find_async.__doc__ or "").replace(
-    "Run the learning-rate range test",
-    "Run the learning-rate range test (blocking: runs :func:`lr_find_async` in a new event loop, on a "
-    "thread of its own when called inside one, as in a notebook)",
-    1,
-)

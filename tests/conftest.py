@@ -18,6 +18,7 @@ SERIAL_MODULES = frozenset(
         "test_collective_errors",
         "test_control_tcp",
         "test_fault",
+        "test_fsdp_liveness",
         "test_federated_faults",
         "test_liveness_defaults",
         "test_local_parallel_faults",

@@ -8,7 +8,8 @@ an event loop of its own (batch streams are async iterables) and keeps awaiting 
 cancellably: when the control channel fails, the awaiting task is cancelled,
 :func:`run_on_worker` sets the rank's :class:`~lamploop.sync.collectives.AbortSignal`,
 and the worker, whose every collective wait looks at that signal between short slices,
-gives up within a slice.  The cancellation then goes on; the control channel raises the
+gives up within a slice (or, where it may be blocked out of the signal's reach, is given up
+on: see :func:`run_on_worker`).  The cancellation then goes on; the control channel raises the
 error that names the lost rank.  Unless the worker had failed by then with an error that
 every rank detects itself (a NaN loss...: see :mod:`lamploop.errors`): that error is raised
 instead of the cancellation it outlived, since the cancellation came from another rank
@@ -25,11 +26,15 @@ What runs where::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 
 from lamploop.errors import error_detected_by_every_rank
@@ -53,34 +58,41 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     Returns what ``work`` returns and raises what it raises; on cancellation, waits for the
     worker to give up (it does within a collective's wait slice) and re-raises the cancellation,
     unless the worker failed with an error that every rank detects itself: that one wins.
+
+    With ``abort.give_up_after`` set (a sharded model, whose ``DTensor`` collectives wait out of
+    the signal's reach), the worker is waited for that long after the signal, no longer: the
+    cancellation then goes on and the worker is left blocked.  It runs on a daemon thread, so
+    that it never holds the process's exit.
     """
     outcome: list[tuple[bool, object]] = []
     finished = anyio.Event()
+    token = anyio.lowlevel.current_token()
 
     def call() -> None:
         try:
-            outcome.append((True, work()))
+            outcome.append((True, work()))  # a fresh context: the thread's own event loops
         except BaseException as exc:  # handed to the awaiting task, which raises it
             outcome.append((False, exc))
+        finally:
+            # The awaiting task may be gone (a worker given up on): then so may the event loop.
+            with contextlib.suppress(RuntimeError):
+                anyio.from_thread.run_sync(finished.set, token=token)
 
-    async def in_worker() -> None:
-        with anyio.CancelScope(shield=True):  # a thread cannot be cancelled: wait for it
-            await anyio.to_thread.run_sync(call)
-        finished.set()
-
+    thread = threading.Thread(target=call, name="lamploop rank worker", daemon=True)
+    thread.start()
     try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(in_worker)
-            try:
-                await finished.wait()
-            except anyio.get_cancelled_exc_class():
-                abort.set(
-                    "the run was cancelled on this rank (the control channel failed or the caller gave up)"
-                )
-                raise
+        await finished.wait()
+        await _ended(thread)
     except anyio.get_cancelled_exc_class():
-        # The worker has ended (its thread was waited for, shielded): its own verdict, if every
-        # rank reaches it, outranks a cancellation caused by another rank failing alike.
+        abort.set("the run was cancelled on this rank (the control channel failed or the caller gave up)")
+        # A thread cannot be cancelled: wait for it to give up, shielded from the cancellation.
+        with anyio.CancelScope(shield=True) as waiting:
+            if abort.give_up_after is not None:
+                waiting.deadline = anyio.current_time() + abort.give_up_after
+            await finished.wait()
+            await _ended(thread)
+        # The worker's own verdict, if every rank reaches it, outranks a cancellation caused by
+        # another rank failing alike.
         failed = outcome and not outcome[0][0]
         own = error_detected_by_every_rank(cast(BaseException, outcome[0][1])) if failed else None
         if own is not None:
@@ -90,6 +102,17 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     if not ok:
         raise cast(BaseException, value)
     return cast(T, value)
+
+
+async def _ended(thread: threading.Thread) -> None:
+    """Wait for ``thread``, which has signalled its end, to be gone (off the event loop).
+
+    A daemon thread still ending while the interpreter finalizes is stopped where it stands:
+    without this join, a rank whose run succeeded exited now and then with status -6
+    (``terminate called without an active exception``).  Only a worker given up on (blocked
+    in C++, out of the interpreter's way) is left alive.
+    """
+    await anyio.to_thread.run_sync(thread.join)
 
 
 def worker_runner(abort: AbortSignal) -> EpochRunner:

@@ -58,11 +58,28 @@ class WaitAborted(DistributedError):
 
 
 class AbortSignal:
-    """Set once, from any thread, when the run has failed and waits must end."""
+    """Set once, from any thread, when the run has failed and waits must end.
+
+    Attributes:
+        reason: why it was set (empty until it is).
+        give_up_after: ``None`` (the default): every wait of the rank's training thread looks
+            at this signal, so the rank waits for that thread to end after the signal (see
+            :func:`lamploop.distributed.worker.run_on_worker`).  Seconds: the thread may be
+            blocked in a collective that looks at nothing (a ``DTensor``'s, inside
+            ``torch.nn.utils.clip_grad_norm_`` on a sharded model), and is given up this long
+            after the signal: the rank's run then ends with its error while the thread stays
+            blocked (a daemon thread: it does not hold the process's exit).  Set by
+            :meth:`allow_giving_up`.
+    """
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
+        self.give_up_after: float | None = None
+
+    def allow_giving_up(self, after: float) -> None:
+        """The training thread may block out of this signal's reach: give it up ``after`` s after it."""
+        self.give_up_after = after if self.give_up_after is None else min(self.give_up_after, after)
 
     def set(self, reason: str) -> None:
         """Abort every wait that looks at this signal (the first reason is kept)."""
@@ -123,6 +140,14 @@ class Collectives:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         return self._started(self.group.broadcast(tensors, options), tensors)
+
+    def track(self, work: Work, tensors: list[torch.Tensor]) -> Work:
+        """Record ``work``, a collective another library started on this group (FSDP2's), with its tensors.
+
+        Waited for with :meth:`wait`, it is forgotten; left pending by a failed run, it is
+        abandoned with the group (:meth:`abandon`).
+        """
+        return self._started(work, tensors)
 
     def _started(self, work: Work, tensors: list[torch.Tensor]) -> Work:
         self._in_flight[id(work)] = (work, tensors)

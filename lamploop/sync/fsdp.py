@@ -37,6 +37,20 @@ Use without the drivers (one process per rank, a group of your own)::
     channel = ProcessGroupChannel(collectives, strategy)
     await one_epoch(model=model, batches=..., channel=channel, step_optimizer=optimizer.step)
 
+*A frozen peer ends the step* (DESIGN.md section 5).  FSDP2 waits for its all-gathers and
+reduce-scatters inside its own hooks, with Gloo's blocking ``wait()``, which nothing can
+interrupt: a survivor left waiting by a frozen rank would hang until the collective timeout.
+On Gloo, :meth:`FullyShard.shard` therefore gives every unit lamploop's own all-gather and
+reduce-scatter (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``): the same
+``torch.distributed`` calls, whose waits are :meth:`Collectives.wait`'s, sliced and ended by
+the rank's abort signal once the heartbeats declare a peer lost.  The ``DTensor`` collectives
+that FSDP2 does not issue (the global norm of ``clip_grad_norm_``, a sharded model's
+``full_tensor()``) still wait unsliced: the rank's abort signal is told so
+(:meth:`~lamploop.sync.collectives.AbortSignal.allow_giving_up`, :data:`GIVE_UP_AFTER_S`), and
+a training thread still blocked that long after the signal is given up on, its run ending
+with the error that names the lost rank.  On NCCL, FSDP2's collectives are queued on the
+device and the host waits only in lamploop's (sliced) collectives: FSDP2's own stand.
+
 Checkpoints of a sharded model: :mod:`lamploop.checkpoint.sharded`.
 
 .. versionadded:: 0.4
@@ -49,7 +63,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch
@@ -57,6 +71,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import GroupName
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# The interfaces of FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (public
+# methods) live in a private module of torch 2.13.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lamploop.errors import ConfigurationError
@@ -64,6 +82,9 @@ from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import GradientSync, register_strategy
 
 __all__ = [
+    "GIVE_UP_AFTER_S",
+    "AbortableAllGather",
+    "AbortableReduceScatter",
     "FullyShard",
     "FullyShardedSync",
     "default_units",
@@ -72,6 +93,12 @@ __all__ = [
     "mesh_of",
     "rebuild_optimizer",
 ]
+
+GIVE_UP_AFTER_S: Final = 0.5
+"""How long after its abort signal a sharded rank's training thread, blocked in a collective that
+does not look at the signal (a ``DTensor``'s), is waited for before it is given up on.  Within the
+bound a survivor ends in (the heartbeat timeout and a second), and long enough for a thread in a
+sliced wait (:data:`~lamploop.sync.collectives.POLL_S`) to end by itself on a loaded machine."""
 
 _DTYPES: dict[str, torch.dtype] = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
 _names = itertools.count()
@@ -208,6 +235,63 @@ def _shard_like(value: Any, full: torch.Tensor, sharded: torch.nn.Parameter) -> 
     return value
 
 
+class AbortableAllGather(AllGather):
+    """FSDP2's all-gather, waited for by :meth:`Collectives.wait`: sliced, ended by the abort signal.
+
+    Started as FSDP2's default does (``torch.distributed.all_gather_single`` on the unit's
+    group, which wraps ``collectives``' group), always asynchronously, and waited for before
+    returning: FSDP2 then takes it for a synchronous collective (it is one on the CPU anyway).
+    """
+
+    def __init__(self, collectives: Collectives) -> None:
+        self._collectives = collectives
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+        tracked = self._collectives.track(work, [output_tensor, input_tensor])
+        self._collectives.wait(tracked, "FSDP all-gather of a unit's parameters")
+        return None
+
+
+class AbortableReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of a unit's gradients, waited for by :meth:`Collectives.wait`.
+
+    See :class:`AbortableAllGather`.
+    """
+
+    def __init__(self, collectives: Collectives) -> None:
+        self._collectives = collectives
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        tracked = self._collectives.track(work, [output_tensor, input_tensor])
+        self._collectives.wait(tracked, "FSDP reduce-scatter of a unit's gradients")
+        return None
+
+
 class FullyShardedSync:
     """The :class:`~lamploop.sync.strategy.GradientSync` of :class:`FullyShard` (see the module doc)."""
 
@@ -309,8 +393,14 @@ class FullyShard:
                 continue
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        abortable = collectives.device.type == "cpu"  # Gloo: FSDP2's own waits cannot be interrupted
+        if abortable:
+            collectives.abort.allow_giving_up(GIVE_UP_AFTER_S)
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
+                if abortable:
+                    unit.set_custom_all_gather(AbortableAllGather(collectives))
+                    unit.set_custom_reduce_scatter(AbortableReduceScatter(collectives))
                 # Sums, not means (lamploop scales in reduce); zeros for a parameter a forward
                 # did not use, so that every rank reduce-scatters the same tensors.
                 unit.set_gradient_divide_factor(1.0)

@@ -111,6 +111,24 @@ def _finish(runs: list[tuple[Path, list[subprocess.Popen[bytes]]]], timeout: flo
                 )
 
 
+# Mixed precision (FSDP2's MixedPrecisionPolicy): 8-example batches, 2 ranks, 2 per step, so that
+# every step counts 32 examples; the loss scales (1/32, 2/32) are then exact in bfloat16 and
+# lamploop's sums scaled after are FSDP2's averages bit for bit.
+MIXED = {"n": 128, "batch": 8, "optimizer": "adam", "k": 2, "epochs": 2}
+POLICIES = {"bf16-32": {"param_dtype": "bf16", "reduce_dtype": "32"}, "bf16": {"param_dtype": "bf16"}}
+# float16: FSDP2 divides by sqrt(R) before and after a float16 reduction (against overflow),
+# lamploop sums and scales after; each rounds its own way.
+FLOAT16 = {"param_dtype": "16"}
+
+
+def _mixed_precision_jobs() -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = [{"kind": "hand", "name": "hand-mp-64", **MIXED}]
+    for name, policy in [*POLICIES.items(), ("16", FLOAT16)]:
+        jobs.append({"kind": "lamploop", "name": f"lamploop-mp-{name}", **MIXED, **policy})
+        jobs.append({"kind": "hand", "name": f"hand-mp-{name}", **MIXED, **policy})
+    return jobs
+
+
 def _jobs(nranks: int) -> list[dict[str, Any]]:
     jobs: list[dict[str, Any]] = []
     for case in CASES:
@@ -134,6 +152,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
         {"kind": "lamploop", "name": "saved", "epochs": 1, "save": "ckpt", "save_at": 1, **adam},
         {"kind": "lamploop", "name": "resumed", "epochs": 2, "load": "ckpt", **adam},
         {"kind": "no_batch", "name": "no_batch"},
+        *_mixed_precision_jobs(),
     ]
     (three / "ckpt").symlink_to(two / "ckpt", target_is_directory=True)
     three_jobs = [*_jobs(3), {"kind": "load_only", "name": "loaded", "optimizer": "adam", "load": "ckpt"}]
@@ -219,6 +238,29 @@ def test_validation_of_uneven_streams_is_the_mean_over_every_example(
     for rank in range(nranks):
         got = json.loads((rundir / f"lamploop-{name}.rank{rank}.json").read_text())["validation_loss"]
         assert got == pytest.approx(expected, rel=1e-12, abs=0), f"rank {rank}"
+
+
+def test_mixed_precision_equals_torch_fsdp2_by_hand_with_the_same_policy(two_ranks: Path) -> None:
+    """``param_dtype="bf16"`` (forward and backward in bfloat16, float64 shards and Adam state),
+    gradients reduce-scattered in float32 or in bfloat16, on Gloo: bit for bit FSDP2's own loop
+    with the same ``MixedPrecisionPolicy``; and each policy changed the arithmetic."""
+    full = load_file(str(two_ranks / "hand-mp-64.safetensors"))
+    got = {name: load_file(str(two_ranks / f"lamploop-mp-{name}.safetensors")) for name in POLICIES}
+    for name in POLICIES:
+        hand = load_file(str(two_ranks / f"hand-mp-{name}.safetensors"))
+        assert got[name].keys() == hand.keys() == full.keys()
+        for key, tensor in got[name].items():
+            assert tensor.dtype == torch.float64, key  # the shards keep their own dtype
+            assert torch.equal(tensor, hand[key]), f"{name}: {key} differs from FSDP2 by hand"
+        moved = max(float((got[name][k] - full[k]).abs().max()) for k in full)
+        assert moved > 1e-5, f"{name}: no different from float64 ({moved:.3g})"
+    reduce_dtype = max(float((got["bf16-32"][k] - got["bf16"][k]).abs().max()) for k in full)
+    assert reduce_dtype > 1e-6, "reducing in float32 or in bfloat16 made no difference"
+    # float16 (param_dtype="16"): FSDP2's divisions round otherwise; close, and not float64.
+    half = load_file(str(two_ranks / "lamploop-mp-16.safetensors"))
+    half_by_hand = load_file(str(two_ranks / "hand-mp-16.safetensors"))
+    assert max(float((half[k] - half_by_hand[k]).abs().max()) for k in full) < 1e-5  # 1.0e-6 measured
+    assert max(float((half[k] - full[k]).abs().max()) for k in full) > 3e-5  # 1.0e-4 measured
 
 
 def test_a_rank_without_any_batch_is_refused_on_every_rank(two_ranks: Path) -> None:

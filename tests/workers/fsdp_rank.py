@@ -6,6 +6,8 @@ own (a Gloo group object, as the drivers make it) and torch's default group
 
 - ``lamploop``: :class:`lamploop.sync.FullyShard` through :func:`lamploop.one_epoch`, the
   batches of :func:`plan`; may save a sharded checkpoint (``save``) or start from one (``load``);
+  ``param_dtype`` / ``reduce_dtype``: the strategy's mixed precision (``hand`` takes them too,
+  as FSDP2's ``MixedPrecisionPolicy``);
 - ``hand``: PyTorch's FSDP2 in a training loop written here from torch's docs, without
   lamploop (the reference): each rank backpropagates ``loss_sum * R / N_step`` (FSDP2
   averages over ranks), a rank without a batch in a micro-batch position an empty batch;
@@ -51,10 +53,10 @@ def mlp(seed: int = 0) -> nn.Sequential:
     return module
 
 
-def plan(n: int, epoch: int, nranks: int, k: int) -> list[list[list[torch.Tensor]]]:
+def plan(n: int, epoch: int, nranks: int, k: int, batch: int = BATCH) -> list[list[list[torch.Tensor]]]:
     """``plan[s][r]``: rank r's (up to k) index batches of step s; batch i goes to rank i % nranks."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(100 + epoch))
-    per_rank = [list(torch.split(order, BATCH))[r::nranks] for r in range(nranks)]
+    per_rank = [list(torch.split(order, batch))[r::nranks] for r in range(nranks)]
     steps = max(math.ceil(len(b) / k) for b in per_rank)
     return [[per_rank[r][s * k : (s + 1) * k] for r in range(nranks)] for s in range(steps)]
 
@@ -85,7 +87,11 @@ def _lamploop_job(job: dict[str, Any], rank: int, nranks: int, collectives: Any,
 
     x, y = data(job["n"])
     module = mlp()
-    strategy = FullyShard(reshard_after_forward=job.get("reshard", True))
+    strategy = FullyShard(
+        reshard_after_forward=job.get("reshard", True),
+        param_dtype=job.get("param_dtype"),
+        reduce_dtype=job.get("reduce_dtype"),
+    )
     strategy.shard(collectives, module)
     optimizer = optimizer_for(job["optimizer"], module.parameters())
     first_epoch = 0
@@ -96,7 +102,7 @@ def _lamploop_job(job: dict[str, Any], rank: int, nranks: int, collectives: Any,
     model = lamploop.SupervisedModel(module, lamploop.cross_entropy_loss)
 
     async def stream(epoch: int) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
-        for step in plan(job["n"], epoch, nranks, job["k"]):
+        for step in plan(job["n"], epoch, nranks, job["k"], job.get("batch", BATCH)):
             for idx in step[rank]:
                 yield x[idx], y[idx]
 
@@ -166,16 +172,20 @@ def _no_batch_job(job: dict[str, Any], rank: int, nranks: int, collectives: Any,
 
 def _hand_job(job: dict[str, Any], rank: int, nranks: int) -> nn.Module:
     """PyTorch's FSDP2 on the default group, written from its docs: the reference."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    dtypes = {None: None, "bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtypes[job.get("param_dtype")], reduce_dtype=dtypes[job.get("reduce_dtype")]
+    )
     x, y = data(job["n"])
     module = mlp()
     for layer in (module[0], module[2]):
-        fully_shard(layer, reshard_after_forward=job.get("reshard", True))
-    fully_shard(module, reshard_after_forward=job.get("reshard", True))
+        fully_shard(layer, reshard_after_forward=job.get("reshard", True), mp_policy=policy)
+    fully_shard(module, reshard_after_forward=job.get("reshard", True), mp_policy=policy)
     optimizer = optimizer_for(job["optimizer"], module.parameters())
     for epoch in range(job["epochs"]):
-        for step in plan(job["n"], epoch, nranks, job["k"]):
+        for step in plan(job["n"], epoch, nranks, job["k"], job.get("batch", BATCH)):
             total = sum(len(idx) for batches in step for idx in batches)
             positions = max(len(batches) for batches in step)
             for j in range(positions):

@@ -21,8 +21,10 @@ Three measurements, each alternating the contenders inside the same run:
 2. **Training while ingesting.**  Steps per second of the 1M-parameter MLP (batches of 64,
    64 KiB samples of 16384 floats cut to its 512 inputs) drawn from a buffer fed live over
    TCP by one ``BlockingProducer`` process, against the same steps drawn from a buffer filled
-   beforehand in memory.  Target: >= 0.9.  Twice: with torch's default threads, and with one
-   thread (both sides).  Beside the rate, the CPU each side used per step (this process's, the
+   beforehand in memory.  Target: >= 0.9.  Three times: with torch's default threads, with one
+   thread (both sides), and with one thread and the receiver on a thread of its own
+   (``SampleReceiver(own_thread=True)``: receiving and decoding off the training's thread).
+   Beside the rate, the CPU each side used per step (this process's, the
    producer's): what the cores must supply for the live run to keep up.
 3. **Online against offline** (the heat-equation example, ``examples/streaming_heat``):
    the same simulations (3 processes) either stream their samples to the training
@@ -41,7 +43,9 @@ Three measurements, each alternating the contenders inside the same run:
 copy of the tree before a change) in the same run: each measurement of 1. and 2. (one thread)
 runs in a fresh process of its own, importing one version or the other, the versions and the
 contenders alternating within every round; it reports each version's ratios (median
-[min-max]) and this code's rate over the other's, per contender.
+[min-max]) and this code's rate over the other's, per contender.  In the same rounds, this
+code alone also runs ``AsyncProducer`` ingestion (1 and 64 KiB) and training fed live with
+``SampleReceiver(own_thread=True)``, against the same raw and in-memory runs.
 """
 
 from __future__ import annotations
@@ -115,24 +119,23 @@ with socket.create_connection((host, port)) as s:
 """
 
 
-class FirstPut:
-    """A sink in front of a buffer that notes when the first delivery arrived and how many
-    samples it held (the producer's start-up, importing torch, is not the transport's cost;
-    the samples of that first delivery arrived before the clock started)."""
+class FirstPut(FifoBuffer):
+    """A FIFO buffer that notes when the first delivery arrived and how many samples it held
+    (the producer's start-up, importing torch, is not the transport's cost; the samples of that
+    first delivery arrived before the clock started).  A buffer itself, not a sink in front of
+    one, so that a receiver on a thread of its own (``own_thread=True``) may fill it."""
 
-    def __init__(self, buffer: Any) -> None:
-        self.buffer = buffer
-        self.first: float | None = None
-        self.first_count = 0
+    first: float | None = None
+    first_count = 0
 
     async def put(self, sample: Sample) -> None:
         if self.first is None:
             self.first, self.first_count = time.perf_counter(), 1
-        await self.buffer.put(sample)
+        await super().put(sample)
 
     def try_put_many(self, samples: Sequence[Sample]) -> int:
         now = time.perf_counter() if self.first is None else 0.0
-        taken = int(self.buffer.try_put_many(samples))
+        taken = int(super().try_put_many(samples))
         if self.first is None:  # the samples it did not take come again later, after the clock started
             self.first, self.first_count = now, taken
         return taken
@@ -172,21 +175,22 @@ def _producer_command(kind: str, host: str, port: int, token: str, count: int, f
 # -- 1. ingestion --
 
 
-def ingest_lamploop(kind: str, count: int, floats: int) -> float:
-    """Samples per second through producer -> receiver -> buffer, drained by a training loop."""
+def ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool = False) -> float:
+    """Samples per second through producer -> receiver -> buffer, drained by a training loop
+    (``own_thread``: the receiver on a thread of its own)."""
     with torch_threads(1):
-        return anyio.run(_ingest_lamploop, kind, count, floats)
+        return anyio.run(_ingest_lamploop, kind, count, floats, own_thread)
 
 
-async def _ingest_lamploop(kind: str, count: int, floats: int) -> float:
+async def _ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool) -> float:
     token = secrets.token_hex(16)
-    buffer = FifoBuffer(capacity=1024, watermark=32, seed=0)
-    sink = FirstPut(buffer)
+    buffer = sink = FirstPut(capacity=1024, watermark=32, seed=0)
+    options: dict[str, Any] = {"own_thread": True} if own_thread else {}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     async with (
-        SampleReceiver(sink, token=token, expected_producers=["bench"]) as receiver,
+        SampleReceiver(sink, token=token, expected_producers=["bench"], **options) as receiver,
         anyio.create_task_group() as tg,
     ):
         command = _producer_command(kind, *receiver.address, token, count, floats)
@@ -267,14 +271,17 @@ def _pairs(ours: Callable[[], Any], baseline: Callable[[], Any], pairs: int) -> 
 # -- 2. training while ingesting --
 
 
-def train_steps(live: bool, steps: int, threads: int | None = None) -> dict[str, float]:
+def train_steps(
+    live: bool, steps: int, threads: int | None = None, own_thread: bool = False
+) -> dict[str, float]:
     """Steps/s of the 1M MLP drawing batches of 64 from a buffer fed live over TCP, or filled
-    before; and the CPU seconds per step of this process and (live) of the producer's."""
+    before; and the CPU seconds per step of this process and (live) of the producer's.
+    ``own_thread``: the receiver on a thread of its own."""
     with torch_threads(threads):
-        return anyio.run(_train_steps, live, steps)
+        return anyio.run(_train_steps, live, steps, own_thread)
 
 
-async def _train_steps(live: bool, steps: int) -> dict[str, float]:
+async def _train_steps(live: bool, steps: int, own_thread: bool = False) -> dict[str, float]:
     count = steps * 64
     token = secrets.token_hex(16)
     buffer = FifoBuffer(capacity=count if not live else 2048, watermark=64, seed=0)
@@ -309,7 +316,11 @@ async def _train_steps(live: bool, steps: int) -> dict[str, float]:
 
     async with anyio.create_task_group() as tg:
         if live:
-            await tg.start(serve, SampleReceiver(buffer, token=token, expected_producers=["bench"]))
+            options: dict[str, Any] = (
+                {"own_thread": True} if own_thread else {}
+            )  # (a version before it has none)
+            receiver = SampleReceiver(buffer, token=token, expected_producers=["bench"], **options)
+            await tg.start(serve, receiver)
             while buffer.received < 256:  # noqa: ASYNC110 (no event for a count; the producer is starting)
                 await anyio.sleep(0.01)
         else:
@@ -459,14 +470,16 @@ CHILD = "--child-measure"
 
 
 def _child(spec: str) -> None:
-    """One measurement (``kind,floats,count`` or ``train,live,steps``), printed as JSON."""
+    """One measurement (``kind,floats,count`` or ``train,live|thread|memory,steps``), printed as JSON;
+    a kind ending in ``-thread``, and ``train,thread``: the receiver on a thread of its own."""
     kind, first, second = spec.split(",")
     if kind == "train":
-        result: Any = train_steps(first == "live", int(second), 1)
+        result: Any = train_steps(first != "memory", int(second), 1, own_thread=first == "thread")
     elif kind == "raw":
         result = ingest_raw(int(second), int(first))
     else:
-        result = ingest_lamploop(kind, int(second), int(first))
+        producer, _, thread = kind.partition("-")
+        result = ingest_lamploop(producer, int(second), int(first), own_thread=thread == "thread")
     print(json.dumps(result), flush=True)
 
 
@@ -494,15 +507,24 @@ def compare(other: Path, rounds: int, steps: int) -> tuple[list[list[str]], dict
         "train live": f"train,live,{steps}",
         "train memory": f"train,memory,{steps}",
     }
+    # Only this tree has SampleReceiver(own_thread=True): measured in the same rounds, against
+    # the same raw and in-memory runs.
+    own_thread = {
+        "async 1 KiB, receiver thread": "async-thread,256,20000",
+        "async 64 KiB, receiver thread": "async-thread,16384,4000",
+        "train live, receiver thread": f"train,thread,{steps}",
+    }
     runs: dict[str, dict[str, list[Any]]] = {v: {name: [] for name in specs} for v in versions}
-    order = [(v, name) for name in specs for v in versions]
+    runs["after"].update({name: [] for name in own_thread})
+    specs_of = {"after": {**specs, **own_thread}, "before": specs}
+    order = [(v, name) for name in specs for v in versions] + [("after", name) for name in own_thread]
     for i in range(rounds):
         shift = (i * 3) % len(order)
         for version, name in order[shift:] + order[:shift]:
-            runs[version][name].append(_measure_in(versions[version], specs[name]))
+            runs[version][name].append(_measure_in(versions[version], specs_of[version][name]))
     rows = []
     rate = {
-        v: {n: [r["steps_per_s"] if n.startswith("train") else r for r in runs[v][n]] for n in specs}
+        v: {n: [r["steps_per_s"] if n.startswith("train") else r for r in runs[v][n]] for n in specs_of[v]}
         for v in versions
     }
     ratios = [
@@ -524,6 +546,19 @@ def compare(other: Path, rounds: int, steps: int) -> tuple[list[list[str]], dict
                 f">= {target}: {_verdict(cells['after'], target)}",
             ]
         )
+    for label, a, b, target in (
+        ("1 KiB async (receiver thread)/raw", "async 1 KiB, receiver thread", "raw 1 KiB", 0.2),
+        ("64 KiB async (receiver thread)/raw", "async 64 KiB, receiver thread", "raw 64 KiB", 0.5),
+        (
+            "1M MLP, 1 thread: live (receiver thread)/memory",
+            "train live, receiver thread",
+            "train memory",
+            0.9,
+        ),
+        ("  live: receiver thread / trainer's loop", "train live, receiver thread", "train live", 1.0),
+    ):
+        cell = _ratio(rate["after"][a], rate["after"][b])
+        rows.append([label, "", _cell(cell), f">= {target}: {_verdict(cell, target)}"])
     for name in specs:
         if not name.startswith("raw"):
             rows.append(
@@ -549,6 +584,12 @@ def compare(other: Path, rounds: int, steps: int) -> tuple[list[list[str]], dict
                 "",
             ]
         )
+    live = runs["after"]["train live, receiver thread"]
+    cpu = " / ".join(
+        f"{1e3 * summarize([r[key] for r in live])['median']:.2f}"
+        for key in ("trainer_cpu_per_step", "producer_cpu_per_step")
+    )
+    rows.append(["  after, receiver thread: CPU ms/step trainer's process live / producer", "", cpu, ""])
     return rows, {"runs": runs}
 
 
@@ -635,11 +676,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     steps = 20 if args.quick else 60
     pairs = 3 if args.quick else 5
-    for key, threads in (("training", None), ("training, 1 thread", 1)):
+    for key, threads, own_thread in (
+        ("training", None, False),
+        ("training, 1 thread", 1, False),
+        ("training, 1 thread, receiver on its own thread", 1, True),
+    ):
         if "train" not in only:
             break
         live, memory = _pairs(
-            partial(train_steps, True, steps, threads), partial(train_steps, False, steps, threads), pairs
+            partial(train_steps, True, steps, threads, own_thread=own_thread),
+            partial(train_steps, False, steps, threads),
+            pairs,
         )
         ratio = _ratio([r["steps_per_s"] for r in live], [r["steps_per_s"] for r in memory])
         accounting = {
@@ -658,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         threads_used = threads or torch.get_num_threads()
         rows.append(
             [
-                f"train 1M MLP, 64 KiB samples ({steps} steps, {threads_used} thr.): live/memory",
+                f"train 1M MLP, 64 KiB samples ({steps} steps, {threads_used} thr."
+                f"{', receiver thread' if own_thread else ''}): live/memory",
                 f"{summarize([r['steps_per_s'] for r in live])['median']:.1f} / "
                 f"{summarize([r['steps_per_s'] for r in memory])['median']:.1f} steps/s",
                 _cell(ratio),

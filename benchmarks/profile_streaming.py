@@ -28,6 +28,10 @@ check that they match the stream's), ``put`` (the samples into the buffer), ``ac
 
     python benchmarks/profile_streaming.py [--count-scale 1.0] [--only blocking,async] [--json PATH]
     python benchmarks/profile_streaming.py --lamploop /tmp/old   # another copy of the package (before/after)
+    python benchmarks/profile_streaming.py --own-thread   # SampleReceiver(own_thread=True): plain runs only
+
+Each row also gives the CPU of the consumer's thread alone (``time.thread_time`` around the
+drain): with the receiver on its own thread, what is left on the thread that would train.
 """
 
 from __future__ import annotations
@@ -207,8 +211,9 @@ print(json.dumps({"wall": wall, "cpu": cpu, "shares": shares}), flush=True)
 """
 
 
-def run_case(kind: str, floats: int, count: int, profiled: bool) -> dict[str, Any]:
-    """One stream of ``count`` samples: CPU seconds and wall per side (and stage shares if profiled)."""
+def run_case(kind: str, floats: int, count: int, profiled: bool, own_thread: bool = False) -> dict[str, Any]:
+    """One stream of ``count`` samples: CPU seconds and wall per side (and stage shares if profiled),
+    and the CPU of the consumer's thread (``own_thread``: the receiver on a thread of its own)."""
     import anyio
     import torch
 
@@ -218,19 +223,17 @@ def run_case(kind: str, floats: int, count: int, profiled: bool) -> dict[str, An
     torch.set_num_threads(1)
     first: list[float] = []
 
-    class Timed:
-        """The buffer, noting when its first samples arrived (the clock starts there)."""
-
-        def __init__(self, buffer: Any) -> None:
-            self.buffer = buffer
+    class Timed(FifoBuffer):
+        """The buffer, noting when its first samples arrived (the clock starts there).  A buffer
+        itself, not a sink in front of one: a receiver on a thread of its own fills only those."""
 
         async def put(self, sample: Any) -> None:
             if not first:
                 first.extend((time.perf_counter(), time.process_time(), 1))
-            await self.buffer.put(sample)
+            await super().put(sample)
 
         def try_put_many(self, samples: Any) -> int:
-            taken = int(self.buffer.try_put_many(samples))
+            taken = int(super().try_put_many(samples))
             if not first and taken:
                 first.extend((time.perf_counter(), time.process_time(), taken))
             return taken
@@ -245,10 +248,11 @@ def run_case(kind: str, floats: int, count: int, profiled: bool) -> dict[str, An
 
     async def main(scratch: str) -> dict[str, Any]:
         token = secrets.token_hex(16)
-        buffer = FifoBuffer(capacity=1024, watermark=32, seed=0)
+        buffer = Timed(capacity=1024, watermark=32, seed=0)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         profile = cProfile.Profile(time.thread_time)  # CPU, not waits
-        async with SampleReceiver(Timed(buffer), token=token, expected_producers=["bench"]) as receiver:
+        options: dict[str, Any] = {"own_thread": True} if own_thread else {}
+        async with SampleReceiver(buffer, token=token, expected_producers=["bench"], **options) as receiver:
             host, port = receiver.address
             here = str(HERE)
             arguments = [
@@ -274,17 +278,20 @@ def run_case(kind: str, floats: int, count: int, profiled: bool) -> dict[str, An
                 tg.start_soon(produce)
                 if profiled:
                     profile.enable()
+                thread_cpu = time.thread_time()  # the consumer's thread (waiting costs none)
                 try:
                     await _draw(buffer, count)
                 finally:
                     if profiled:
                         profile.disable()
                 ended, cpu_end = time.perf_counter(), time.process_time()
+                thread_cpu = time.thread_time() - thread_cpu
             began, cpu_began, before = first
             result["receiver"] = {
                 "wall": ended - began,
                 "cpu": cpu_end - cpu_began,
                 "samples": count - before,
+                "consumer_thread_cpu": thread_cpu,
                 "shares": stage_shares(pstats.Stats(profile), RECEIVER_RULES) if profiled else {},
             }
             return result
@@ -293,10 +300,15 @@ def run_case(kind: str, floats: int, count: int, profiled: bool) -> dict[str, An
         return anyio.run(main, scratch)
 
 
-def measure(kind: str, floats: int, count: int, repeats: int) -> dict[str, Any]:
-    """CPU per sample (median of ``repeats`` plain runs) split by one profiled run's shares."""
-    runs = [run_case(kind, floats, count, profiled=False) for _ in range(repeats)]
-    profiled = run_case(kind, floats, count, profiled=True)
+def measure(kind: str, floats: int, count: int, repeats: int, own_thread: bool = False) -> dict[str, Any]:
+    """CPU per sample (median of ``repeats`` plain runs) split by one profiled run's shares
+    (``own_thread``: no profiled run, cProfile sees only the consumer's thread)."""
+    runs = [run_case(kind, floats, count, profiled=False, own_thread=own_thread) for _ in range(repeats)]
+    profiled = (
+        run_case(kind, floats, count, profiled=True)
+        if not own_thread
+        else {"producer": {"shares": {}}, "receiver": {"shares": {}}}
+    )
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
@@ -309,6 +321,7 @@ def measure(kind: str, floats: int, count: int, repeats: int) -> dict[str, Any]:
         "samples_per_s": rate,
         "producer_us": producer_cpu * 1e6,
         "receiver_us": receiver_cpu * 1e6,
+        "consumer_thread_us": median([r["receiver"]["consumer_thread_cpu"] / count for r in runs]) * 1e6,
         "producer_stages_us": {
             s: producer_cpu * 1e6 * shares["producer"].get(s, 0.0) for s in PRODUCER_STAGES
         },
@@ -328,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="blocking,async", help="producers to measure")
     parser.add_argument("--sizes", default="1,64", help="sample sizes in KiB (1 and/or 64)")
     parser.add_argument("--lamploop", type=Path, help="import lamploop from this folder (a copy, to compare)")
+    parser.add_argument(
+        "--own-thread",
+        action="store_true",
+        help="the receiver on a thread of its own (SampleReceiver(own_thread=True)); no stage split",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(args.lamploop.resolve() if args.lamploop else ROOT))
     load_start = os.getloadavg()
@@ -337,22 +355,23 @@ def main(argv: list[str] | None = None) -> int:
         + " / ".join(PRODUCER_STAGES)
         + " = total | receiver CPU µs/sample: "
         + " / ".join(RECEIVER_STAGES)
-        + " = total |"
+        + " = total | consumer's thread CPU µs/sample |"
     )
-    lines = [header, "| --- | --- | ---: | ---: | ---: |"]
+    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: |"]
     for size in args.sizes.split(","):
         floats, count = {"1": (256, 20_000), "64": (16_384, 4_000)}[size.strip()]
         count = max(int(count * args.count_scale), 200)
         for kind in args.only.split(","):
             name = {"blocking": "BlockingProducer", "async": "AsyncProducer"}[kind.strip()]
-            result = measure(kind.strip(), floats, count, args.repeats)
+            result = measure(kind.strip(), floats, count, args.repeats, own_thread=args.own_thread)
             cases[f"{name} {size} KiB"] = result
             producer = " / ".join(f"{v:.1f}" for v in result["producer_stages_us"].values())
             receiver = " / ".join(f"{v:.1f}" for v in result["receiver_stages_us"].values())
             totals = result["producer_us"], result["receiver_us"]
             lines.append(
                 f"| {name} | {size} KiB | {result['samples_per_s']:,.0f} | "
-                f"{producer} = **{totals[0]:.1f}** | {receiver} = **{totals[1]:.1f}** |"
+                f"{producer or '-'} = **{totals[0]:.1f}** | {receiver or '-'} = **{totals[1]:.1f}** | "
+                f"{result['consumer_thread_us']:.1f} |"
             )
             print(lines[-1], flush=True)
     load_end = os.getloadavg()

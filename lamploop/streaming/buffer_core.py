@@ -6,6 +6,7 @@ follows are :mod:`lamploop.streaming.buffers`' docstring (import the buffers fro
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from lamploop.streaming.buffer_settings import (
     check_int,
 )
 from lamploop.streaming.buffer_state import BufferState, capture, restore
+from lamploop.streaming.buffer_wakes import Waiters
 from lamploop.streaming.sample import Sample
 
 __all__ = ["StreamBuffer"]
@@ -92,8 +94,12 @@ class StreamBuffer:
         self._evicted = 0
         self._closed = False
         self._last_seq: dict[str, int] = {}
-        self._readers: anyio.Event | None = None  # set when a read may now succeed
-        self._writers: anyio.Event | None = None  # set when a put may now succeed
+        # A receiver on a thread of its own puts while the trainer reads: every change and
+        # every look at the residents holds the lock (re-entrant: on_read and on_evict may
+        # look at the buffer); waiters register under it, so no wake-up is lost.
+        self._lock = threading.RLock()
+        self._readers = Waiters()  # woken when a read may now succeed
+        self._writers = Waiters()  # woken when a put may now succeed
 
     # ----------------------------------------------------------------------------------------
     # Synchronous core
@@ -119,17 +125,18 @@ class StreamBuffer:
             DuplicateSampleError: a sample's ``seq`` is not after the last one put (or listed
                 before it) from its producer.
         """
-        self._check_puts(samples)
-        taken = 0
-        full, resident, capacity = self._policy.full, self._resident, self._capacity
-        for sample in samples:
-            if full(len(resident), capacity):
-                break
-            self._insert(sample)
-            taken += 1
-        if taken:
-            self._wake_readers()
-        return taken
+        with self._lock:
+            self._check_puts(samples)
+            taken = 0
+            full, resident, capacity = self._policy.full, self._resident, self._capacity
+            for sample in samples:
+                if full(len(resident), capacity):
+                    break
+                self._insert(sample)
+                taken += 1
+            if taken:
+                self._wake_readers()
+            return taken
 
     def _check_puts(self, samples: Sequence[Sample]) -> None:
         """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order."""
@@ -167,18 +174,20 @@ class StreamBuffer:
         Raises:
             StreamEnded: the buffer is closed and empty.
         """
-        slot = self._take()
-        if slot is not None:
-            return slot.sample
-        if self.ended:
-            raise StreamEnded(f"{type(self).__name__}: closed and drained, the stream is over")
-        return None
+        with self._lock:
+            slot = self._take()
+            if slot is not None:
+                return slot.sample
+            if self.ended:
+                raise StreamEnded(f"{type(self).__name__}: closed and drained, the stream is over")
+            return None
 
     def close(self) -> None:
         """The producers are done: puts are refused, readers drain what is left.  Idempotent."""
-        self._closed = True
-        self._wake_readers()
-        self._wake_writers()
+        with self._lock:
+            self._closed = True
+            self._wake_readers()
+            self._wake_writers()
 
     def _readable(self) -> bool:
         return len(self._resident) > 0 and (self._received >= self._watermark or self._closed)
@@ -201,14 +210,10 @@ class StreamBuffer:
         return slot
 
     def _wake_readers(self) -> None:
-        if self._readers is not None:
-            self._readers.set()
-            self._readers = None
+        self._readers.wake()
 
     def _wake_writers(self) -> None:
-        if self._writers is not None:
-            self._writers.set()
-            self._writers = None
+        self._writers.wake()
 
     # ----------------------------------------------------------------------------------------
     # Async API
@@ -220,10 +225,12 @@ class StreamBuffer:
         (:class:`BufferClosedError` also when the buffer is closed while it waits).
         """
         await anyio.lowlevel.checkpoint()
-        while not self.try_put(sample):
-            if self._writers is None:
-                self._writers = anyio.Event()
-            await self._writers.wait()
+        while True:
+            with self._lock:
+                if self.try_put(sample):
+                    return
+                wake = self._writers.event()
+            await wake.wait()
 
     async def get(self) -> Sample:
         """Read a sample, waiting for the watermark and for a sample.
@@ -235,10 +242,12 @@ class StreamBuffer:
         """
         await anyio.lowlevel.checkpoint()
         while True:
-            sample = self.try_get()
-            if sample is not None:
-                return sample
-            await self._wait_readers()
+            with self._lock:
+                sample = self.try_get()
+                if sample is not None:
+                    return sample
+                wake = self._readers.event()
+            await wake.wait()
 
     async def get_batch(self, n: int) -> list[Sample]:
         """``n`` reads in one synchronous step, once ``n`` samples are resident (and readable).
@@ -257,19 +266,17 @@ class StreamBuffer:
             msg = f"{owner}: get_batch(n={n}) can never be filled, capacity={self._capacity}"
             raise ConfigurationError(msg)
         await anyio.lowlevel.checkpoint()
-        while not (self._readable() and (len(self._resident) >= n or self._closed)):
-            if self.ended:
-                raise StreamEnded(f"{owner}: closed and drained, the stream is over")
-            await self._wait_readers()
-        batch: list[Sample] = []
-        while len(batch) < n and (slot := self._take()) is not None:
-            batch.append(slot.sample)
-        return batch
-
-    async def _wait_readers(self) -> None:
-        if self._readers is None:
-            self._readers = anyio.Event()
-        await self._readers.wait()
+        while True:
+            with self._lock:
+                if self._readable() and (len(self._resident) >= n or self._closed):
+                    batch: list[Sample] = []
+                    while len(batch) < n and (slot := self._take()) is not None:
+                        batch.append(slot.sample)
+                    return batch
+                if self.ended:
+                    raise StreamEnded(f"{owner}: closed and drained, the stream is over")
+                wake = self._readers.event()
+            await wake.wait()
 
     def __aiter__(self) -> StreamBuffer:
         return self
@@ -337,15 +344,18 @@ class StreamBuffer:
     def last_seqs(self) -> dict[str, int]:
         """The largest ``seq`` put from each producer (kept in checkpoints): where a receiver
         restored with the buffer resumes each producer's stream."""
-        return dict(self._last_seq)
+        with self._lock:
+            return dict(self._last_seq)
 
     def seen_counts(self) -> dict[tuple[str, int], int]:
         """Each resident sample's key and how many times it was read, in buffer order."""
-        return {slot.sample.key: slot.seen for slot in self._resident}
+        with self._lock:
+            return {slot.sample.key: slot.seen for slot in self._resident}
 
     def seen_histogram(self) -> dict[int, int]:
         """How many resident samples were read 0, 1, 2, ... times (only counts present), sorted."""
-        return dict(sorted(Counter(slot.seen for slot in self._resident).items()))
+        with self._lock:
+            return dict(sorted(Counter(slot.seen for slot in self._resident).items()))
 
     def stats(self) -> BufferStats:
         """The counters now, as one value."""
@@ -379,7 +389,8 @@ class StreamBuffer:
         ``producer``, ``seq``, ``seen`` and tensor names, and the generator's PCG64 state (its
         128-bit integers as decimal strings).
         """
-        tensors, state = capture(self._settings, self.stats(), self._last_seq, self._resident, self._rng)
+        with self._lock:
+            tensors, state = capture(self._settings, self.stats(), self._last_seq, self._resident, self._rng)
         return tensors, state.to_meta()
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -395,10 +406,11 @@ class StreamBuffer:
         owner = type(self).__name__
         state = BufferState.from_meta(meta, owner=owner)
         slots, rng = restore(state, tensors, owner=owner, settings=self._settings)
-        self._resident = self._policy.storage(slots)
-        self._received, self._read_total = state.received, state.read_total
-        self._evicted, self._closed = state.evicted, state.closed
-        self._last_seq = dict(state.last_seq)
-        self._rng = rng
-        self._wake_readers()
-        self._wake_writers()
+        with self._lock:
+            self._resident = self._policy.storage(slots)
+            self._received, self._read_total = state.received, state.read_total
+            self._evicted, self._closed = state.evicted, state.closed
+            self._last_seq = dict(state.last_seq)
+            self._rng = rng
+            self._wake_readers()
+            self._wake_writers()

@@ -40,10 +40,14 @@ buffer continues exactly like the uninterrupted one; the format is
 :mod:`~lamploop.streaming.buffer_state`'s).
 
 Concurrency: the synchronous core (:meth:`~StreamBuffer.try_put`,
-:meth:`~StreamBuffer.try_get`, :meth:`~StreamBuffer.close`) does all the work; the async
-``put``/``get``/``get_batch`` loop over it and wait on one anyio event per direction.  No
-threads.  A cancelled ``get`` loses no sample (a sample is taken only in a synchronous step
-right before returning it), and a cancelled ``put`` puts nothing.
+:meth:`~StreamBuffer.try_get`, :meth:`~StreamBuffer.close`) does all the work, under the
+buffer's lock; the async ``put``/``get``/``get_batch`` loop over it and wait on an anyio event
+of their own loop per direction.  Puts and reads may come from two threads, each with its own
+event loop (a receiver on a thread of its own, ``SampleReceiver(own_thread=True)``, and the
+trainer): a change made on one thread wakes the waits of the other on their loop
+(:mod:`~lamploop.streaming.buffer_wakes`), and the draws are those the same sequence of puts
+and reads makes on one thread.  A cancelled ``get`` loses no sample (a sample is taken only in
+a synchronous step right before returning it), and a cancelled ``put`` puts nothing.
 """
 
 from __future__ import annotations

@@ -54,10 +54,12 @@ from lamploop.errors import (
     ConfigurationError,
     StreamingError,
 )
+from lamploop.streaming.buffer_core import StreamBuffer
 from lamploop.streaming.directory import ProducerDirectory
 from lamploop.streaming.receiver_serving import RULES as RULES
 from lamploop.streaming.receiver_serving import ReceiverServing, _Active
 from lamploop.streaming.receiver_session import IngestStats, Intake
+from lamploop.streaming.receiver_thread import ServingThread
 from lamploop.streaming.sample import SampleSink
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -123,6 +125,12 @@ class SampleReceiver(ReceiverServing):
         directory_index: this receiver's rank index; with ``directory_assignments``, its own
             producers are served before :meth:`set_directory` (give it on every rank's receiver
             when every rank gets the assignments).
+        own_thread: serve the producers on a thread of the receiver's own, with its own event
+            loop (started by ``async with``, joined on leaving it): receiving, decoding, putting
+            and acknowledging then take no time from the thread that trains, which only draws
+            from the buffer.  ``sink`` must be a :class:`~lamploop.streaming.buffers.StreamBuffer`
+            (its puts and reads may come from two threads); its ``on_evict`` then runs on the
+            receiver's thread.  Default ``False``: everything on the caller's event loop.
 
     Raises:
         ConfigurationError: an argument is out of range.
@@ -148,6 +156,7 @@ class SampleReceiver(ReceiverServing):
         ssl_context: ssl.SSLContext | None = None,
         directory_assignments: Mapping[str, int] | None = None,
         directory_index: int | None = None,
+        own_thread: bool = False,
     ) -> None:
         """Check every argument (the class's Args) and set up what the connections share.
 
@@ -187,6 +196,18 @@ class SampleReceiver(ReceiverServing):
         if not isinstance(uniform_samples, bool):
             msg = f"uniform_samples must be a bool, got {type(uniform_samples).__name__}"
             raise ConfigurationError(msg)
+        if not isinstance(own_thread, bool):
+            msg = f"own_thread must be a bool, got {type(own_thread).__name__}"
+            raise ConfigurationError(msg)
+        if own_thread and not isinstance(sink, StreamBuffer):
+            msg = (
+                "own_thread=True needs a StreamBuffer sink (puts from the receiver's thread, reads from "
+                f"the trainer's), got {type(sink).__name__}"
+            )
+            raise ConfigurationError(msg)
+        self._own_thread = own_thread
+        self._thread: ServingThread | None = None
+        self._body: anyio.CancelScope | None = None  # the owner's block, with own_thread
         self._directory = ProducerDirectory(directory_assignments, own_index=directory_index)
         self._directory_index = 0 if directory_index is None else directory_index
         self._directory_set = anyio.Event()
@@ -260,7 +281,10 @@ class SampleReceiver(ReceiverServing):
                 raise ConfigurationError(msg)
         served = set(self._intake.acked) | self._intake.done | set(self._active)
         self._directory.set_addresses(addresses, own_index=own_index, served=served)
-        self._directory_set.set()
+        if self._thread is not None:  # the handshakes wait for it on the receiver's thread
+            self._thread.call_soon(self._directory_set.set)
+        else:
+            self._directory_set.set()
         logger.info("sample receiver: producers handed out over %d receivers", len(addresses))
 
     @property
@@ -308,9 +332,11 @@ class SampleReceiver(ReceiverServing):
     # -- life --
 
     async def __aenter__(self) -> SampleReceiver:
-        if self._address is not None:
+        if self._address is not None or self._thread is not None:
             msg = "a SampleReceiver can be entered only once"
             raise StreamingError(msg)
+        if self._own_thread:
+            return await self._enter_thread()
         await self._sup.enter()
         try:
             self._address = await self._sup.tg.start(self._serve)
@@ -325,17 +351,59 @@ class SampleReceiver(ReceiverServing):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
+        if self._thread is not None:
+            return await self._exit_thread(exc)
         remaining = self._sup.leave_body(exc)
         self._refusals.flush()
         return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
 
+    async def _enter_thread(self) -> SampleReceiver:
+        """``own_thread``: start the serving thread, then the owner's block (a scope it may cancel)."""
+        self._thread = ServingThread(self._sup, self._serve, self._thread_ended)
+        try:
+            self._address = await self._thread.start(f"lamploop-receiver-{id(self):x}")
+        except OSError as exc:
+            msg = f"the sample receiver cannot listen on {self._host}:{self._port}: {exc}"
+            raise StreamingError(msg) from exc
+        self._body = anyio.CancelScope()
+        self._body.__enter__()
+        logger.info("sample receiver listening on %s:%d (on a thread of its own)", *self._address)
+        return self
+
+    async def _exit_thread(self, exc: BaseException | None) -> bool:
+        """``own_thread``: leave the owner's block, stop and join the thread, raise its failure."""
+        assert self._thread is not None
+        assert self._body is not None
+        swallowed = bool(
+            self._body.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        )
+        error = await self._thread.stop()
+        self._refusals.flush()
+        remaining = None if swallowed else exc
+        if error is not None and error is not remaining:
+            if remaining is None:
+                raise error
+            logger.warning("sample receiver: leaving on %r; its thread had failed too: %s", remaining, error)
+        return swallowed
+
+    def _thread_ended(self) -> None:
+        """``own_thread``, on the owner's loop: the thread's tasks ended by themselves (a failure)."""
+        if self._sup._waiting == 0 and self._body is not None:  # else wait_all_done raises it
+            self._body.cancel()
+
+    def _set_on_owner(self, event: anyio.Event) -> None:
+        if self._thread is not None:  # the owner awaits it on its own loop
+            self._thread.call_soon_owner(event.set)
+        else:
+            event.set()
+
     def _wake_up(self) -> None:
-        self._all_done_or_failed.set()
+        self._set_on_owner(self._all_done_or_failed)
 
     def _check_all_done(self) -> None:
         intake = self._intake
         if self._expected is not None and self._expected <= intake.done | intake.refused.keys():
-            self._all_done_or_failed.set()
+            self._set_on_owner(self._all_done_or_failed)
 
 
 def _check_name(where: str, name: object) -> str:

@@ -43,8 +43,7 @@ def _checked(path: str | os.PathLike[str]) -> _Index:
     index = _read_index(directory)
     problems = verify_sharded(directory)
     if problems:
-        msg = f"{directory}: " + "; ".join(problems)
-        raise CheckpointError(msg)
+        raise CheckpointError("; ".join(problems))  # each names its file: the message starts with one
     return index
 
 

@@ -20,6 +20,7 @@ from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
+from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError, error_detected_by_every_rank
 from lamploop.model import SupervisedModel
 from lamploop.schedules import LearningRateSchedule, noop
@@ -111,6 +112,7 @@ async def local_data_parallel_training_loop(
     if len(set(cuda)) != len(cuda):
         msg = f"local_data_parallel_training_loop: NCCL needs one CUDA device per replica, got {devices}"
         raise ConfigurationError(msg)
+    check_sharded_strategy("local_data_parallel_training_loop", merged, in_process=True)
     root, followers = local_control(nranks)
     first = _FirstError()
     (root_model, root_train, root_valid), *others = models_with_data_streams

@@ -32,7 +32,7 @@ from lamploop.distributed.replica_epochs import (
     set_learning_rate_factor,
 )
 from lamploop.distributed.sharded_rank import ShardedRank
-from lamploop.distributed.worker import EpochRunner, run_here, run_on_worker, worker_runner
+from lamploop.distributed.worker import EpochRunner, RankThread, open_rank_thread, run_here, worker_runner
 from lamploop.errors import ConfigurationError, mark_detected_by_every_rank
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.stop_aware import stop_aware_batches
@@ -188,7 +188,6 @@ async def open_replica(
     (unused with one rank);
     ``abort`` ends the rank's collective waits when the run fails elsewhere.
     """
-    settings = plan.settings
     if plan.nranks == 1:
         resume_at = None
         if plan.resume is not None:
@@ -205,6 +204,19 @@ async def open_replica(
             _close_profiler(replica)
         return
     store, root_host = await connect()
+    async with (
+        open_rank_thread(abort) as thread,
+        _ranks_replica(plan, store, root_host, abort, thread) as replica,
+    ):
+        yield replica
+
+
+@asynccontextmanager
+async def _ranks_replica(
+    plan: RankPlan, store: Any, root_host: str, abort: AbortSignal, thread: RankThread
+) -> AsyncIterator[Replica]:
+    """:func:`open_replica` of one of several ranks: joined over ``store``, its work on ``thread``."""
+    settings = plan.settings
 
     def join() -> _Joined:
         group = new_process_group(
@@ -255,13 +267,13 @@ async def open_replica(
         return channel, optimizer, resume_at, keep_rngs, saved, sharded
 
     # Joining blocks until every rank arrives: off the event loop, which keeps the heartbeats.
-    channel, optimizer, resume_at, keep_rngs, saved, sharded = await run_on_worker(join, abort)
+    channel, optimizer, resume_at, keep_rngs, saved, sharded = await thread.run(join)
     failed = True
     try:
         boundary = _boundary(plan, channel.collectives, keep_rngs)
         boundary.shard_writer = sharded.writer if sharded is not None else None
         replica = plan.replica(
-            channel, optimizer, worker_runner(abort), boundary, resume_at, saved, abort, sharded
+            channel, optimizer, worker_runner(thread), boundary, resume_at, saved, abort, sharded
         )
         try:
             yield replica

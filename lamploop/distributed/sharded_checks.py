@@ -14,14 +14,17 @@ SHARDED: Final = "fsdp"
 """The registered name of the sharded strategy (:class:`lamploop.sync.fsdp.FullyShard`)."""
 
 
-def check_sharded_strategy(where: str, settings: TrainingSettings, *, control: object = None) -> None:
+def check_sharded_strategy(
+    where: str, settings: TrainingSettings, *, control: object = None, in_process: bool = False
+) -> None:
     """ConfigurationError for a setting the sharded strategy cannot honour, naming it and why.
 
     - ``precision="fp16"``: the dynamic loss scale judges overflow from the gradients a rank
       holds; under ``fsdp`` each rank holds only its shard of them, so the ranks could skip
       different steps (``"bf16"`` needs no loss scale and is accepted);
     - ``averaging`` (EMA/SWA): the root averages its whole model, which no rank holds;
-    - ``local_data_parallel_training_loop`` (``control`` is its in-process channel): FSDP2
+    - ranks as threads of one process (``control`` is an in-process channel, or ``in_process``:
+      ``local_data_parallel_training_loop``, which checks before it makes its channel): FSDP2
       registers one process group per process and its ranks' device mesh by process, so the
       ranks must be processes (``fit(world_size=...)`` or the drivers under a launcher).
     """
@@ -40,10 +43,11 @@ def check_sharded_strategy(where: str, settings: TrainingSettings, *, control: o
             "kept of the whole model on the root, and under fsdp no rank holds the whole model"
         )
         raise ConfigurationError(msg)
-    if isinstance(control, LocalControlRoot | LocalControlFollower):
+    if in_process or isinstance(control, LocalControlRoot | LocalControlFollower):
         msg = (
-            f"{where}: strategy 'fsdp' cannot run under local_data_parallel_training_loop: its "
-            "ranks are threads of one process, and FSDP2 shards over one process per rank; use "
-            "fit(strategy='fsdp', world_size=n) or the drivers with one process per rank"
+            f"{where}: strategy 'fsdp' cannot run over an in-process control channel "
+            "(local_control): its ranks are threads of one process, and FSDP2 shards over one "
+            "process per rank; use fit(strategy='fsdp', world_size=n) or the drivers with a TCP "
+            "channel, one process per rank"
         )
         raise ConfigurationError(msg)

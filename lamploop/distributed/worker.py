@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar, cast
 
 import anyio
@@ -40,7 +41,7 @@ import anyio.to_thread
 from lamploop.errors import error_detected_by_every_rank
 from lamploop.sync.collectives import AbortSignal
 
-__all__ = ["EpochRunner", "run_here", "run_on_worker", "worker_runner"]
+__all__ = ["EpochRunner", "RankThread", "open_rank_thread", "run_here", "run_on_worker", "worker_runner"]
 
 T = TypeVar("T")
 EpochRunner = Callable[[Callable[[], Awaitable[float]]], Awaitable[float]]
@@ -53,7 +54,7 @@ async def run_here(epoch: Callable[[], Awaitable[float]]) -> float:
 
 
 async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
-    """Call ``work`` on a worker thread; if the awaiting task is cancelled, set ``abort``.
+    """Call ``work`` on a thread of its own; if the awaiting task is cancelled, set ``abort``.
 
     Returns what ``work`` returns and raises what it raises; on cancellation, waits for the
     worker to give up (it does within a collective's wait slice) and re-raises the cancellation,
@@ -62,63 +63,105 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     With ``abort.give_up_after`` set (a sharded model, whose ``DTensor`` collectives wait out of
     the signal's reach), the worker is waited for that long after the signal, no longer: the
     cancellation then goes on and the worker is left blocked.  It runs on a daemon thread, so
-    that it never holds the process's exit.
+    that it never holds the process's exit.  A rank's epochs run on its :class:`RankThread`.
     """
-    outcome: list[tuple[bool, object]] = []
-    finished = anyio.Event()
-    token = anyio.lowlevel.current_token()
+    async with open_rank_thread(abort) as thread:
+        return await thread.run(work)
 
-    def call() -> None:
+
+class RankThread:
+    """The one daemon thread a rank's blocking work runs on, job after job, for the whole run.
+
+    One thread, not one per epoch: torch keeps state per thread that must outlive an epoch
+    (a profiler's window spans epochs, and its callbacks must run on the thread that
+    registered them: a second thread crashed the process).  Open it with
+    :func:`open_rank_thread`; :meth:`run` is :func:`run_on_worker` on this thread.
+    """
+
+    def __init__(self, abort: AbortSignal) -> None:
+        self._abort = abort
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="lamploop rank worker", daemon=True)
+        self.given_up = False  # a job was left blocked after the abort: the thread is never joined
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """Call ``work`` on this thread and await it, cancellably (see :func:`run_on_worker`)."""
+        if self.given_up:
+            msg = "the rank's worker thread was given up on (blocked after the abort): it runs nothing more"
+            raise RuntimeError(msg)
+        outcome: list[tuple[bool, object]] = []
+        finished = anyio.Event()
+        token = anyio.lowlevel.current_token()
+
+        def call() -> None:
+            try:
+                outcome.append((True, work()))  # a fresh context: the thread's own event loops
+            except BaseException as exc:  # handed to the awaiting task, which raises it
+                outcome.append((False, exc))
+            finally:
+                # The awaiting task may be gone (a worker given up on): then so may the event loop.
+                with contextlib.suppress(RuntimeError):
+                    anyio.from_thread.run_sync(finished.set, token=token)
+
+        self._jobs.put(call)
         try:
-            outcome.append((True, work()))  # a fresh context: the thread's own event loops
-        except BaseException as exc:  # handed to the awaiting task, which raises it
-            outcome.append((False, exc))
-        finally:
-            # The awaiting task may be gone (a worker given up on): then so may the event loop.
-            with contextlib.suppress(RuntimeError):
-                anyio.from_thread.run_sync(finished.set, token=token)
-
-    thread = threading.Thread(target=call, name="lamploop rank worker", daemon=True)
-    thread.start()
-    try:
-        await finished.wait()
-        await _ended(thread)
-    except anyio.get_cancelled_exc_class():
-        abort.set("the run was cancelled on this rank (the control channel failed or the caller gave up)")
-        # A thread cannot be cancelled: wait for it to give up, shielded from the cancellation.
-        with anyio.CancelScope(shield=True) as waiting:
-            if abort.give_up_after is not None:
-                waiting.deadline = anyio.current_time() + abort.give_up_after
             await finished.wait()
-            await _ended(thread)
-        # The worker's own verdict, if every rank reaches it, outranks a cancellation caused by
-        # another rank failing alike.
-        failed = outcome and not outcome[0][0]
-        own = error_detected_by_every_rank(cast(BaseException, outcome[0][1])) if failed else None
-        if own is not None:
-            raise own from None
-        raise
-    ok, value = outcome[0]
-    if not ok:
-        raise cast(BaseException, value)
-    return cast(T, value)
+        except anyio.get_cancelled_exc_class():
+            self._abort.set(
+                "the run was cancelled on this rank (the control channel failed or the caller gave up)"
+            )
+            # A thread cannot be cancelled: wait for it to give up, shielded from the cancellation.
+            with anyio.CancelScope(shield=True) as waiting:
+                if self._abort.give_up_after is not None:
+                    waiting.deadline = anyio.current_time() + self._abort.give_up_after
+                await finished.wait()
+            self.given_up = not finished.is_set()
+            # The worker's own verdict, if every rank reaches it, outranks a cancellation caused by
+            # another rank failing alike.
+            failed = outcome and not outcome[0][0]
+            own = error_detected_by_every_rank(cast(BaseException, outcome[0][1])) if failed else None
+            if own is not None:
+                raise own from None
+            raise
+        ok, value = outcome[0]
+        if not ok:
+            raise cast(BaseException, value)
+        return cast(T, value)
+
+    async def _close(self) -> None:
+        """End the thread and wait until it is gone, unless it was given up on.
+
+        A daemon thread still ending while the interpreter finalizes is stopped where it
+        stands: without this join, a rank whose run succeeded exited now and then with status
+        -6 (``terminate called without an active exception``).  Only a thread given up on
+        (blocked in C++, out of the interpreter's way) is left alive.
+        """
+        if self.given_up:
+            return
+        self._jobs.put(None)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._thread.join)
 
 
-async def _ended(thread: threading.Thread) -> None:
-    """Wait for ``thread``, which has signalled its end, to be gone (off the event loop).
+@contextlib.asynccontextmanager
+async def open_rank_thread(abort: AbortSignal) -> AsyncIterator[RankThread]:
+    """A :class:`RankThread` for ``abort``'s rank, started here and ended on leaving."""
+    thread = RankThread(abort)
+    thread._thread.start()
+    try:
+        yield thread
+    finally:
+        await thread._close()
 
-    A daemon thread still ending while the interpreter finalizes is stopped where it stands:
-    without this join, a rank whose run succeeded exited now and then with status -6
-    (``terminate called without an active exception``).  Only a worker given up on (blocked
-    in C++, out of the interpreter's way) is left alive.
-    """
-    await anyio.to_thread.run_sync(thread.join)
 
-
-def worker_runner(abort: AbortSignal) -> EpochRunner:
-    """An :data:`EpochRunner` that runs each epoch in an event loop of its own on a worker thread."""
+def worker_runner(thread: RankThread) -> EpochRunner:
+    """An :data:`EpochRunner` that runs each epoch in an event loop of its own on the rank's ``thread``."""
 
     async def run(epoch: Callable[[], Awaitable[float]]) -> float:
-        return await run_on_worker(functools.partial(anyio.run, epoch), abort)
+        return await thread.run(functools.partial(anyio.run, epoch))
 
     return run

@@ -136,9 +136,12 @@ class TrainingPass:
         sync.begin_pass()
         yield_now = Yielder()
         stream: AsyncIterator[Any] = aiter(batches)
-        for _ in range(self.first_index):  # the steps a resumed pass has done already
-            if await anext(stream, None) is None:
+        for index in range(self.first_index):  # the steps a resumed pass has done already
+            done = await anext(stream, None)
+            if done is None:
                 break
+            if index == 0 and self.pads:  # the uninterrupted pass's stand-in, as it took it
+                self.stand_in = done
         if self.profiler is not None:
             self.profiler.start()  # before the clock starts: turning it on is no step's time
         times = self.times
@@ -357,16 +360,19 @@ class TrainingPass:
         return expected, group_count, pending
 
     def _every_rank_starts(self) -> bool:
-        """Whether any rank has a batch; raises on every rank when some have and some have none.
+        """Whether any rank has a batch; raises on every rank when some have and some cannot take part.
 
-        A padding rank's stand-in is its own first batch of the pass: one with none has nothing
+        A padding rank's stand-in is its own first batch of the pass (a resumed pass kept it
+        while skipping the steps done): a rank with neither a batch nor a stand-in has nothing
         to run the forwards the others' collectives wait for.
         """
-        having = int(self.channel.all_reduce_sum([float(self.upcoming is not None)])[0])
-        if 0 < having < self.channel.nranks:
+        has_batch = self.upcoming is not None
+        sums = self.channel.all_reduce_sum([float(has_batch), float(has_batch or self.stand_in is not None)])
+        having, able = int(sums[0]), int(sums[1])
+        if having > 0 and able < self.channel.nranks:
             place = "" if self.epoch is None else f"epoch {self.epoch}: "
             msg = (
-                f"{place}{self.channel.nranks - having} of {self.channel.nranks} ranks have no training "
+                f"{place}{self.channel.nranks - able} of {self.channel.nranks} ranks have no training "
                 "batch to start the pass with; a sharded model (strategy 'fsdp') runs every forward on "
                 "every rank, so each rank's stream needs at least one batch"
             )

@@ -2,7 +2,7 @@
 
 ``python tests/workers/profile_rank.py RANK NRANKS PORT OUT_DIR [--data-sleep S]``: joins a
 Gloo group over a store on 127.0.0.1:PORT (rank 0 opens it), trains EPOCHS epochs of
-STEPS steps, each epoch on a worker thread as a real run does
+STEPS steps, each epoch on the rank's one worker thread as a real run does
 (:func:`lamploop.distributed.worker.worker_runner`), with a :class:`StepProfiler` spanning
 the epochs, and writes ``OUT_DIR/breakdown-rank<R>.json`` (the summed step breakdown).
 ``--data-sleep``: this rank's stream sleeps that long before each batch.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from lamploop import SupervisedModel, one_epoch  # noqa: E402
 from lamploop.distributed.process_group import new_process_group  # noqa: E402
-from lamploop.distributed.worker import worker_runner  # noqa: E402
+from lamploop.distributed.worker import open_rank_thread, worker_runner  # noqa: E402
 from lamploop.loop.profiler import Profile, StepProfiler  # noqa: E402
 from lamploop.loop.step_timing import StepTimes  # noqa: E402
 from lamploop.sync.collectives import AbortSignal  # noqa: E402
@@ -64,21 +64,22 @@ async def main(rank: int, nranks: int, port: int, out_dir: Path, sleep: float) -
     profile = Profile(out_dir=out_dir / "traces", wait=1, warmup=1, active=3)
     profiler = StepProfiler(profile, rank=rank, device=device)
     times = StepTimes()
-    run_epoch = worker_runner(AbortSignal())
-    for epoch in range(EPOCHS):
+    async with open_rank_thread(AbortSignal()) as thread:
+        run_epoch = worker_runner(thread)
+        for epoch in range(EPOCHS):
 
-        async def train(epoch: int = epoch) -> float:
-            return await one_epoch(
-                model=model,
-                batches=batches(rank, epoch, sleep),
-                channel=channel,
-                step_optimizer=optimizer.step,
-                epoch=epoch,
-                step_times=times,
-                profiler=profiler,
-            )
+            async def train(epoch: int = epoch) -> float:
+                return await one_epoch(
+                    model=model,
+                    batches=batches(rank, epoch, sleep),
+                    channel=channel,
+                    step_optimizer=optimizer.step,
+                    epoch=epoch,
+                    step_times=times,
+                    profiler=profiler,
+                )
 
-        await run_epoch(train)
+            await run_epoch(train)
     profiler.close()  # on the event loop's thread, as open_replica does
     breakdown = attrs.asdict(times.snapshot())
     (out_dir / f"breakdown-rank{rank}.json").write_text(json.dumps(breakdown))

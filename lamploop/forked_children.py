@@ -47,7 +47,9 @@ def signals_stay_with_this_process() -> Iterator[None]:
     global _watching, _registered
     with _lock:
         if not _registered:
-            os.register_at_fork(after_in_child=_after_fork_in_child)
+            os.register_at_fork(
+                before=_before_fork, after_in_parent=_restore_mask, after_in_child=_after_fork_in_child
+            )
             _registered = True
         _watching += 1
     try:
@@ -57,15 +59,37 @@ def signals_stay_with_this_process() -> Iterator[None]:
             _watching -= 1
 
 
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+_mask_before_fork = threading.local()
+"""The forking thread's signal mask, kept by :func:`_before_fork` until the fork returns."""
+
+
+def _before_fork() -> None:
+    # A child signalled between the fork and its first hook would write into the parent's
+    # wake-up socket (the C handler runs from the child's first instruction; on a loaded
+    # machine the child may wait milliseconds to run): the forking thread blocks the stop
+    # signals across the fork, so such a signal waits in the child until its hook dropped the
+    # socket.  The parent's other threads (its main thread) still take them meanwhile.
+    if _watching:
+        _mask_before_fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def _restore_mask() -> None:
+    mask = getattr(_mask_before_fork, "mask", None)
+    if mask is not None:
+        _mask_before_fork.mask = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _after_fork_in_child() -> None:
     global _watching
-    if not _watching:
-        return
-    _watching = 0  # this child watches nothing of its own yet
-    try:
-        signal.set_wakeup_fd(-1)  # the parent's event loop's socket: its signals are not ours
-    except ValueError:  # forked from a thread other than the main one: no wake-up fd to drop
-        return
+    if _watching:
+        _watching = 0  # this child watches nothing of its own yet
+        # The parent's event loop's socket: its signals are not ours.  (Forked from a thread
+        # other than the main one: no wake-up fd to drop.)
+        with suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+    _restore_mask()  # a stop signal that came meanwhile is delivered now, to this child alone
 
 
 def leave_stop_signals_to_the_run(worker_id: int = 0) -> None:

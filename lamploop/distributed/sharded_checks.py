@@ -44,10 +44,12 @@ def check_sharded_strategy(
         )
         raise ConfigurationError(msg)
     if in_process or isinstance(control, LocalControlRoot | LocalControlFollower):
+        channel = "an in-process control channel (local_control)"
+        if in_process:
+            channel = "local_data_parallel_training_loop"
         msg = (
-            f"{where}: strategy 'fsdp' cannot run over an in-process control channel "
-            "(local_control): its ranks are threads of one process, and FSDP2 shards over one "
-            "process per rank; use fit(strategy='fsdp', world_size=n) or the drivers with a TCP "
-            "channel, one process per rank"
+            f"{where}: strategy 'fsdp' cannot run under {channel}: its ranks are threads of one "
+            "process, and FSDP2 shards over one process per rank; use fit(strategy='fsdp', "
+            "world_size=n) or the drivers with a TCP channel, one process per rank"
         )
         raise ConfigurationError(msg)

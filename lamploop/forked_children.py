@@ -10,8 +10,9 @@ the process group: "stopped at once by a second SIGINT" before, the graceful sto
 checkpoint after.
 
 - :func:`signals_stay_with_this_process`: while its block runs, a process forked from this one
-  drops the inherited wake-up socket at once (``os.register_at_fork``, so no window is left
-  between the fork and the worker's start); the signal watcher enters it;
+  drops the inherited wake-up socket at once (``os.register_at_fork``; the forking thread
+  blocks SIGINT and SIGTERM across the fork, so a signal that reaches the child before its
+  hook ran waits until the socket is dropped); the signal watcher enters it;
 - :func:`leave_stop_signals_to_the_run`: a ``DataLoader`` ``worker_init_fn`` (or the first
   thing one calls) that makes the worker ignore SIGINT and SIGTERM.  A worker then outlives
   a SIGTERM sent to the whole job (Slurm's ``scancel``, ``kill -TERM -PGID``), which otherwise

@@ -235,13 +235,8 @@ def _shard_like(value: Any, full: torch.Tensor, sharded: torch.nn.Parameter) -> 
     return value
 
 
-class AbortableAllGather(AllGather):
-    """FSDP2's all-gather, waited for by :meth:`Collectives.wait`: sliced, ended by the abort signal.
-
-    Started as FSDP2's default does (``torch.distributed.all_gather_single`` on the unit's
-    group, which wraps ``collectives``' group), always asynchronously, and waited for before
-    returning: FSDP2 then takes it for a synchronous collective (it is one on the CPU anyway).
-    """
+class _WaitedBySlices:
+    """What FSDP2's custom collectives share here: the rank's collectives, and plain buffers."""
 
     def __init__(self, collectives: Collectives) -> None:
         self._collectives = collectives
@@ -250,6 +245,19 @@ class AbortableAllGather(AllGather):
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _wait(self, work: dist.Work | None, tensors: list[torch.Tensor], what: str) -> None:
+        assert work is not None  # started with async_op=True
+        self._collectives.wait(self._collectives.track(work, tensors), what)
+
+
+class AbortableAllGather(_WaitedBySlices, AllGather):
+    """FSDP2's all-gather, waited for by :meth:`Collectives.wait`: sliced, ended by the abort signal.
+
+    Started as FSDP2's default does (``torch.distributed.all_gather_single`` on the unit's
+    group, which wraps ``collectives``' group), always asynchronously, and waited for before
+    returning: FSDP2 then takes it for a synchronous collective (it is one on the CPU anyway).
+    """
 
     def __call__(
         self,
@@ -259,24 +267,15 @@ class AbortableAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
-        tracked = self._collectives.track(work, [output_tensor, input_tensor])
-        self._collectives.wait(tracked, "FSDP all-gather of a unit's parameters")
+        self._wait(work, [output_tensor, input_tensor], "FSDP all-gather of a unit's parameters")
         return None
 
 
-class AbortableReduceScatter(ReduceScatter):
+class AbortableReduceScatter(_WaitedBySlices, ReduceScatter):
     """FSDP2's reduce-scatter of a unit's gradients, waited for by :meth:`Collectives.wait`.
 
     See :class:`AbortableAllGather`.
     """
-
-    def __init__(self, collectives: Collectives) -> None:
-        self._collectives = collectives
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -287,8 +286,7 @@ class AbortableReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        tracked = self._collectives.track(work, [output_tensor, input_tensor])
-        self._collectives.wait(tracked, "FSDP reduce-scatter of a unit's gradients")
+        self._wait(work, [output_tensor, input_tensor], "FSDP reduce-scatter of a unit's gradients")
         return None
 
 

@@ -11,11 +11,13 @@ importable from here too.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import attrs
 import torch
 
@@ -178,6 +180,16 @@ def _close_profiler(replica: Replica) -> None:
         replica.profiler.close()
 
 
+async def _close_profiler_on(thread: RankThread, replica: Replica) -> None:
+    """:func:`_close_profiler` on the rank's thread, where its epochs started the profiler: torch
+    keeps the profiling session per thread (closed from another, the process crashed).  A thread
+    given up on is blocked: its profiler is left as it is."""
+    if replica.profiler is None or thread.given_up:
+        return
+    with anyio.CancelScope(shield=True):
+        await thread.run(functools.partial(_close_profiler, replica))
+
+
 @asynccontextmanager
 async def open_replica(
     plan: RankPlan, connect: Callable[[], Awaitable[tuple[Any, str]]], abort: AbortSignal
@@ -278,7 +290,7 @@ async def _ranks_replica(
         try:
             yield replica
         finally:
-            _close_profiler(replica)
+            await _close_profiler_on(thread, replica)
         failed = False
     finally:
         # After a failure nothing in flight will complete: drop it rather than wait, and

@@ -38,7 +38,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from lamploop.errors import error_detected_by_every_rank
+from lamploop.errors import DistributedError, error_detected_by_every_rank
 from lamploop.sync.collectives import AbortSignal
 
 __all__ = ["EpochRunner", "RankThread", "open_rank_thread", "run_here", "run_on_worker", "worker_runner"]
@@ -92,7 +92,14 @@ class RankThread:
         """Call ``work`` on this thread and await it, cancellably (see :func:`run_on_worker`)."""
         if self.given_up:
             msg = "the rank's worker thread was given up on (blocked after the abort): it runs nothing more"
-            raise RuntimeError(msg)
+            raise DistributedError(msg)
+        try:  # an owner already cancelled queues nothing (a join after the channel failed)
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except anyio.get_cancelled_exc_class():
+            self._abort.set(
+                "the run was cancelled on this rank (the control channel failed or the caller gave up)"
+            )
+            raise
         outcome: list[tuple[bool, object]] = []
         finished = anyio.Event()
         token = anyio.lowlevel.current_token()
@@ -140,9 +147,9 @@ class RankThread:
         -6 (``terminate called without an active exception``).  Only a thread given up on
         (blocked in C++, out of the interpreter's way) is left alive.
         """
+        self._jobs.put(None)  # a thread given up on ends too, should its job ever return
         if self.given_up:
             return
-        self._jobs.put(None)
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._thread.join)
 

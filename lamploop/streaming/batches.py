@@ -156,7 +156,8 @@ def buffer_batches(
 ) -> BatchStreamFactory:
     """A :data:`~lamploop.batches.BatchStreamFactory` over ``buffer`` (this rank's).
 
-    Make it on the event loop that fills ``buffer`` (where its receiver runs).
+    Make it on the owner's event loop, where the receiver was opened (with the receiver on its
+    own thread, ``own_thread=True``, the buffer is filled on that thread and drawn from here).
 
     Args:
         buffer: where the samples wait.

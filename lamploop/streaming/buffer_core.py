@@ -339,7 +339,8 @@ class StreamBuffer:
     @property
     def ended(self) -> bool:
         """Closed and empty: every further read raises :class:`StreamEnded`."""
-        return self._closed and not self._resident
+        with self._lock:
+            return self._closed and not self._resident
 
     def last_seqs(self) -> dict[str, int]:
         """The largest ``seq`` put from each producer (kept in checkpoints): where a receiver
@@ -358,23 +359,25 @@ class StreamBuffer:
             return dict(sorted(Counter(slot.seen for slot in self._resident).items()))
 
     def stats(self) -> BufferStats:
-        """The counters now, as one value."""
-        return BufferStats(
-            policy=self._policy.name,
-            capacity=self._capacity,
-            fill=self.fill,
-            received=self._received,
-            read_total=self._read_total,
-            evicted=self._evicted,
-            closed=self._closed,
-        )
+        """The counters now, as one value (read under the lock: one state, whichever thread changes it)."""
+        with self._lock:
+            return BufferStats(
+                policy=self._policy.name,
+                capacity=self._capacity,
+                fill=self.fill,
+                received=self._received,
+                read_total=self._read_total,
+                evicted=self._evicted,
+                closed=self._closed,
+            )
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(capacity={self._capacity}, watermark={self._watermark}, "
-            f"max_reads={self._max_reads}, fill={self.fill}, received={self._received}, "
-            f"closed={self._closed})"
-        )
+        with self._lock:
+            return (
+                f"{type(self).__name__}(capacity={self._capacity}, watermark={self._watermark}, "
+                f"max_reads={self._max_reads}, fill={self.fill}, received={self._received}, "
+                f"closed={self._closed})"
+            )
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints

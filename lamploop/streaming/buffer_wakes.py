@@ -6,7 +6,7 @@ not take the training thread's time.  A task that must wait (a read before the w
 put into a full FIFO) waits on an ``anyio.Event`` of its own loop, registered here under the
 buffer's lock; whoever changes the buffer wakes the waiters under the same lock, so no wake
 is lost.  An event of another thread's loop is set on that loop (``call_soon_threadsafe``
-with asyncio; anyio's thread call with its other backends): never from the wrong thread.
+with asyncio; the token's non-waiting call with trio): never from the wrong thread.
 
 .. versionadded:: 0.3
 """
@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 
 __all__ = ["Waiters"]
@@ -29,9 +29,11 @@ def _current_loop() -> tuple[object, Callable[[Callable[[], object]], object]]:
     """The running event loop, and a function that runs a callback soon on it from any thread."""
     try:
         loop = asyncio.get_running_loop()
-    except RuntimeError:  # pragma: no cover - anyio's other backend (trio): its portal call, which waits
-        token = anyio.lowlevel.current_token()
-        return token, lambda callback: anyio.from_thread.run_sync(callback, token=token)
+    except RuntimeError:  # pragma: no cover - anyio's other backend (trio), not installed here
+        # Its token's run_sync_soon, which does not wait: a wake is sent under the buffer's
+        # lock, and a call that waited for the other loop could wait for that lock.
+        native: Any = anyio.lowlevel.current_token().native_token
+        return native, native.run_sync_soon
     return loop, loop.call_soon_threadsafe
 
 

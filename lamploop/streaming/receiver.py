@@ -86,9 +86,9 @@ class SampleReceiver(ReceiverServing):
     ``async with SampleReceiver(sink, token=...) as receiver:`` listens on ``host:port``
     (``port=0`` picks a free port: read :attr:`address`) and serves producers until the block
     ends.  If the sink's ``put`` raises, the receiver fails: the block's body is cancelled
-    and leaving it raises :class:`~lamploop.errors.ControlChannelError` (from the sink's
-    error).  A cancelled ``put`` must not have taken the sample (anyio's memory streams
-    behave so): it is not acknowledged, and will be resent.
+    and leaving it raises :class:`~lamploop.errors.StreamingError` (from the sink's error),
+    with the receiver on its own thread or not.  A cancelled ``put`` must not have taken the
+    sample (anyio's memory streams behave so): it is not acknowledged, and will be resent.
 
     Args:
         sink: where the samples go (:class:`~lamploop.streaming.sample.SampleSink`); its

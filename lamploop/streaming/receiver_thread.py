@@ -55,6 +55,10 @@ class ServingThread:
         self._stop: anyio.Event | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the thread's
+        # Callbacks asked for before the thread's loop runs (set_directory while starting):
+        # run by the thread once its loop is up, not dropped.
+        self._early: list[Callable[[], object]] | None = []
+        self._early_lock = threading.Lock()
         self._owner: asyncio.AbstractEventLoop | None = None  # the owner's
 
     async def start(self, name: str) -> tuple[str, int]:
@@ -80,7 +84,12 @@ class ServingThread:
         """Run ``callback`` on the thread's loop (or now, from that thread; nothing once it ended)."""
         if threading.current_thread() is self._thread:
             callback()
-        elif self._loop is not None:
+            return
+        with self._early_lock:
+            if self._early is not None:  # the thread's loop is not up yet
+                self._early.append(callback)
+                return
+        if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has ended
                 self._loop.call_soon_threadsafe(callback)
 
@@ -113,6 +122,10 @@ class ServingThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = anyio.Event()
+        with self._early_lock:
+            early, self._early = self._early or [], None
+        for callback in early:
+            callback()
         sup = self._sup
         await sup.enter()
         try:

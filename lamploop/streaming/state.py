@@ -71,8 +71,9 @@ class StreamState:
     (:meth:`~lamploop.streaming.receiver.SampleReceiver.set_directory`).  Producers that
     arrive earlier wait for that.
 
-    Make it on the event loop the buffer lives on: its state is read there, also when a
-    rank's training thread asks for it.
+    Make it on the owner's event loop (the one that opens the receiver and trains): its state
+    is read there, also when a rank's training thread asks for it; with the receiver on its
+    own thread (``own_thread=True``) the buffer is filled on that thread's loop and read here.
 
     Args:
         buffer: the buffer the receiver fills and ``buffer_batches`` reads.

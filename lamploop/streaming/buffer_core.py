@@ -54,6 +54,8 @@ class StreamBuffer:
         on_read: called as ``on_read(key, seen)`` after each read (``seen`` includes it),
             e.g. to count every sample's reads; must not raise.
         on_evict: called as ``on_evict(key, seen)`` when a reservoir evicts a sample.
+            Both run under the buffer's lock (on the receiver's thread for ``on_evict`` when it
+            has one): they must not wait for another thread.
 
     Raises:
         ConfigurationError: an argument is out of range or missing (naming it).

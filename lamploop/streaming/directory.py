@@ -14,6 +14,7 @@ to the rank whose buffer holds its acknowledged samples.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from lamploop.errors import ConfigurationError
@@ -68,6 +69,11 @@ class ProducerDirectory:
             self._assigned[name] = index
         self._addresses: tuple[tuple[str, int], ...] | None = None
         self._own = own_index
+        # A receiver on its own thread assigns while its owner sets the addresses: the two are
+        # one step each under this lock, and a producer taken before the addresses is kept in
+        # ``_taken_early`` (it stays here whichever side came first).
+        self._lock = threading.Lock()
+        self._taken_early: set[str] = set()
 
     def must_wait(self, name: str) -> bool:
         """Whether producer ``name`` must wait for the addresses: it is assigned to another
@@ -105,6 +111,12 @@ class ProducerDirectory:
                 ``own_index`` out of range, or a restored assignment names a rank beyond them
                 (a run resumed with fewer ranks).
         """
+        with self._lock:
+            self._set_addresses(addresses, own_index, served)
+
+    def _set_addresses(
+        self, addresses: Sequence[tuple[str, int]], own_index: int | None, served: Iterable[str]
+    ) -> None:
         if self._addresses is not None:
             msg = "set_directory() was called already: a receiver's directory is set once"
             raise ConfigurationError(msg)
@@ -127,19 +139,22 @@ class ProducerDirectory:
                 f"({dict(sorted(beyond.items()))!s:.200}): resume with as many ranks as the checkpointed run"
             )
             raise ConfigurationError(msg)
-        for name in served:
+        for name in (*served, *self._taken_early):
             self._assigned.setdefault(name, own_index)
         self._addresses, self._own = checked, own_index
 
     def assign(self, name: str) -> tuple[str, int] | None:
         """The address serving producer ``name`` (assigned now on its first arrival), or ``None``
-        when this receiver serves it itself (it is its own, or the addresses are not known yet)."""
-        if self._addresses is None:
-            return None
-        index = self._assigned.get(name)
-        if index is None:  # the rank with the fewest producers (the lowest such): round-robin
-            counts = [0] * len(self._addresses)
-            for assigned in self._assigned.values():
-                counts[assigned] += 1
-            index = self._assigned[name] = counts.index(min(counts))
-        return None if index == self._own else self._addresses[index]
+        when this receiver serves it itself (it is its own, or the addresses are not known yet:
+        then it stays here once they are, as the ``served`` of :meth:`set_addresses`)."""
+        with self._lock:
+            if self._addresses is None:
+                self._taken_early.add(name)
+                return None
+            index = self._assigned.get(name)
+            if index is None:  # the rank with the fewest producers (the lowest such): round-robin
+                counts = [0] * len(self._addresses)
+                for assigned in self._assigned.values():
+                    counts[assigned] += 1
+                index = self._assigned[name] = counts.index(min(counts))
+            return None if index == self._own else self._addresses[index]

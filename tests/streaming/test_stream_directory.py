@@ -396,3 +396,14 @@ async def test_producer_processes_killed_and_restarted_go_back_to_their_rank_and
     for name, index in assignments.items():
         assert sinks[index].seqs(name) == list(range(count))  # every seq once, in order
         assert name not in sinks[1 - index].producers()
+
+
+def test_a_producer_taken_before_the_addresses_stays_here_whoever_hands_them_in() -> None:
+    """With the receiver on its own thread, a handshake may take a producer between the owner's
+    look at whom it served and its handing in the addresses: the directory remembers it itself."""
+    directory = ProducerDirectory(own_index=1)
+    assert directory.assign("early") is None  # taken here: the addresses are not known yet
+    directory.set_addresses([("127.0.0.1", 1001), ("127.0.0.1", 1002)], own_index=1, served=())
+    assert directory.assign("early") is None  # still served here, not redirected
+    assert directory.assignments["early"] == 1
+    assert directory.assign("later") == ("127.0.0.1", 1001)  # round-robin: rank 0 has none yet

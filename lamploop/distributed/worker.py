@@ -44,6 +44,7 @@ from lamploop.sync.collectives import AbortSignal
 __all__ = ["EpochRunner", "RankThread", "open_rank_thread", "run_here", "run_on_worker", "worker_runner"]
 
 T = TypeVar("T")
+_CANCELLED = "the run was cancelled on this rank (the control channel failed or the caller gave up)"
 EpochRunner = Callable[[Callable[[], Awaitable[float]]], Awaitable[float]]
 """Runs one epoch coroutine function and returns its result."""
 
@@ -96,9 +97,7 @@ class RankThread:
         try:  # an owner already cancelled queues nothing (a join after the channel failed)
             await anyio.lowlevel.checkpoint_if_cancelled()
         except anyio.get_cancelled_exc_class():
-            self._abort.set(
-                "the run was cancelled on this rank (the control channel failed or the caller gave up)"
-            )
+            self._abort.set(_CANCELLED)
             raise
         outcome: list[tuple[bool, object]] = []
         finished = anyio.Event()
@@ -118,9 +117,7 @@ class RankThread:
         try:
             await finished.wait()
         except anyio.get_cancelled_exc_class():
-            self._abort.set(
-                "the run was cancelled on this rank (the control channel failed or the caller gave up)"
-            )
+            self._abort.set(_CANCELLED)
             # A thread cannot be cancelled: wait for it to give up, shielded from the cancellation.
             with anyio.CancelScope(shield=True) as waiting:
                 if self._abort.give_up_after is not None:

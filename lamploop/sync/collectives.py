@@ -17,6 +17,7 @@ import datetime
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Final, TypeAlias
 
@@ -51,6 +52,18 @@ Work: TypeAlias = Any
 POLL_S: Final = 0.1
 """The slice of a wait between two looks at the abort signal."""
 _SLICE: Final = datetime.timedelta(seconds=POLL_S)
+_KEPT_AFTER_WAIT: Final = 2
+"""How many waited-for works (with their tensors) a :class:`Collectives` keeps referenced.
+
+A Gloo thread lets go of a work just after completing it, so a wait can return first.  Had
+the waiting thread dropped the work by then, the Gloo thread's release would be the last one,
+and it frees the Python objects of the work's tensors, which needs the interpreter: while the
+interpreter finalizes (a process exiting right after a collective) that ends the thread inside
+C++ and aborts the process with status -6 ("terminate called without an active exception";
+``tests/sync/test_exit_after_collectives.py`` saw it in 1 of 5 exits).  Kept until a later wait
+(or the ``Collectives``, which goes with its group), a work is let go of last by Python.  Two,
+not more: a sharded model's all-gather outputs are whole layers.
+"""
 
 
 class WaitAborted(DistributedError):
@@ -124,6 +137,9 @@ class Collectives:
         self.wait_seconds = 0.0
         # Started and not yet waited for, with their tensors: what a failed run abandons.
         self._in_flight: dict[int, tuple[Work, list[torch.Tensor]]] = {}
+        # The last few waited for, kept so that a Gloo thread is never the last to let go of
+        # one: see _KEPT_AFTER_WAIT.
+        self._waited: deque[tuple[Work, list[torch.Tensor]]] = deque(maxlen=_KEPT_AFTER_WAIT)
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> Work:
         """Start summing ``tensors`` in place over all ranks."""
@@ -180,7 +196,7 @@ class Collectives:
                 msg = f"rank {self.rank}: gave up waiting for the {what}: {self.abort.reason}"
                 raise WaitAborted(msg)
             if self._waited_one_slice(work, what):
-                self._in_flight.pop(id(work), None)
+                self._waited.append(self._in_flight.pop(id(work), (work, [])))
                 return
             if time.monotonic() > deadline:
                 msg = (

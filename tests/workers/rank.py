@@ -593,7 +593,9 @@ def worker_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in _LAUNCHER_VARIABLES and not k.startswith(("LAMPLOOP_", "SLURM_"))
     }
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    # PYTHONFAULTHANDLER: a worker that aborts (SIGABRT, SIGSEGV) prints every thread's Python
+    # stack into its log, which the failing test shows.
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **extra)
     return env
 
 

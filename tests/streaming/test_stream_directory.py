@@ -350,10 +350,11 @@ async def test_peers_of_another_protocol_version_are_refused_with_both_versions_
     )
 
 
-def _start_producer(port: int, name: str, count: int) -> subprocess.Popen[str]:
+def _start_producer(port: int, name: str, count: int, pace: float = 0.005) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LAMPLOOP_STREAM_TOKEN": TOKEN.decode()}
     script = str(ROOT / "tests" / "workers" / "stream_producer.py")
-    return subprocess.Popen([sys.executable, script, str(port), name, str(count)], env=env, text=True)
+    argv = [sys.executable, script, str(port), name, str(count), str(pace)]
+    return subprocess.Popen(argv, env=env, text=True)
 
 
 async def test_producer_processes_killed_and_restarted_go_back_to_their_rank_and_deliver_each_seq_once() -> (
@@ -370,7 +371,9 @@ async def test_producer_processes_killed_and_restarted_go_back_to_their_rank_and
             ):
                 root.set_directory([root.address, rank1.address])
                 port = root.address[1]
-                processes += [_start_producer(port, name, count) for name in ("a", "b")]
+                # 20 ms a sample (6 s in all): the kill below lands mid-stream also when this
+                # test's loop runs late on a loaded machine (at 5 ms, "a" once had sent all 300).
+                processes += [_start_producer(port, name, count, pace=0.02) for name in ("a", "b")]
                 await eventually(lambda: len(sinks[0].items) >= 20 and len(sinks[1].items) >= 20, within=30)
                 assignments = root.directory_assignments
                 assert sorted(assignments.values()) == [0, 1]

@@ -7,12 +7,16 @@ the first epoch with an ``AttributeError`` or ``TypeError`` that names none of t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lamploop.checkpoint.extras import CheckpointExtra, check_extras
+from lamploop.checks import check_callable, check_directory
+from lamploop.control.settings import Link
+from lamploop.distributed.inputs import check_batch_factory, check_model, check_reporters
 from lamploop.distributed.rank_extras import SYNC_EXTRA
 from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError
@@ -23,26 +27,13 @@ from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
 __all__ = [
     "check_batch_factory",
     "check_checkpointing",
+    "check_fit_keywords",
     "check_model",
     "check_optimizer_factory",
+    "check_reporters",
     "check_sharded_strategy",
     "check_stateful_strategy",
 ]
-
-
-def check_model(where: str, model: Any) -> None:
-    """``model`` must be a :class:`~lamploop.SupervisedModel` (or have its two attributes)."""
-    if isinstance(model, torch.nn.Module):
-        msg = (
-            f"{where}: model is a torch.nn.Module ({type(model).__name__}); wrap it with its loss: "
-            "lamploop.SupervisedModel(module) (cross-entropy) or lamploop.SupervisedModel(module, loss=...)"
-        )
-        raise ConfigurationError(msg)
-    if not isinstance(getattr(model, "module", None), torch.nn.Module) or not callable(
-        getattr(model, "loss_sum_and_count", None)
-    ):
-        msg = f"{where}: model must be a lamploop.SupervisedModel, got {type(model).__name__}"
-        raise ConfigurationError(msg)
 
 
 def check_optimizer_factory(where: str, factory: Any) -> None:
@@ -59,48 +50,40 @@ def check_optimizer_factory(where: str, factory: Any) -> None:
     check_takes_parameters(factory, where=where)
 
 
-def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool = False) -> None:
-    """``factory`` must be a batch factory (a callable of the batch context), not the data itself.
-
-    ``None`` passes when ``optional`` (no validation batches: no validation).
-    """
-    if factory is None and optional:
-        return
-    if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
-        return
-    kind = type(factory).__name__
-    if isinstance(factory, torch.utils.data.DataLoader):
-        hint = f"lamploop.dataloader_batches({name}_loader)"
-    elif isinstance(factory, torch.Tensor | list | tuple):
-        hint = "lamploop.tensor_batches(features, targets, batch_size=...)"
-    else:
-        hint = "lamploop.tensor_batches(...) or lamploop.dataloader_batches(...)"
-    msg = (
-        f"{where}: {name} must be a batch factory (called once per epoch with the batch context), "
-        f"got {kind}; make one with {hint}"
-    )
-    raise ConfigurationError(msg)
-
-
-def check_reporters(where: str, reporters: Any) -> None:
-    """``reporters``: ``None`` or a sequence of objects with a ``report(event)`` method.
-
-    A plain function (``reporters=[print]``) would fail at every event, each failure logged
-    and the run going on: it is refused before anything starts, with what to pass instead.
-    """
-    if reporters is None:
-        return
-    if isinstance(reporters, str | bytes) or not isinstance(reporters, Sequence):
-        msg = f"{where}: reporters must be a list of reporters, got {type(reporters).__name__}"
+def check_fit_keywords(
+    where: str,
+    *,
+    on_epoch: object,
+    checkpoint_dir: object,
+    resume: object,
+    launch_command: object,
+    heartbeat_interval: object,
+    heartbeat_timeout: object,
+) -> None:
+    """``fit``'s keywords that are used only later (after an epoch, or by a second rank), checked now."""
+    check_callable(f"{where}: on_epoch", on_epoch, optional=True)
+    if checkpoint_dir is not None:
+        check_directory(f"{where}: checkpoint_dir", checkpoint_dir)
+    if not isinstance(resume, bool):
+        msg = f"{where}: resume must be True or False, got {resume!r:.40}"
         raise ConfigurationError(msg)
-    for i, reporter in enumerate(reporters):
-        if not callable(getattr(reporter, "report", None)):
-            msg = (
-                f"{where}: reporters[{i}] ({reporter!r}) has no report(event) method; pass a reporter "
-                "such as lamploop.reporting.LoggingReporter(), or an object of your own with "
-                "report(self, event) (see lamploop.reporting.Reporter)"
-            )
-            raise ConfigurationError(msg)
+    if launch_command is not None and (
+        isinstance(launch_command, str | bytes)
+        or not isinstance(launch_command, Sequence)
+        or not all(isinstance(word, str | os.PathLike) for word in launch_command)
+    ):
+        msg = (
+            f"{where}: launch_command must be None or a list of str (argv, e.g. "
+            f"[sys.executable, 'train.py']), got {launch_command!r:.60}"
+        )
+        raise ConfigurationError(msg)
+    try:
+        # A run of one rank has no control channel: check the heartbeat here all the same,
+        # as the same call with world_size=2 would only fail once rank 1 was started.
+        Link.checked(heartbeat_interval, heartbeat_timeout, 1 << 20)  # type: ignore[arg-type]
+    except ConfigurationError as exc:
+        msg = f"{where}: {exc}"
+        raise ConfigurationError(msg) from None
 
 
 def check_early_stopping(where: str, patience: int | None, validation_batches: Any) -> None:

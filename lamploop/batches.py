@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError
 from lamploop.forked_children import worker_init_leaving_signals
 
@@ -69,6 +70,11 @@ class BatchContext:
     nranks: int = 1
 
     def __attrs_post_init__(self) -> None:
+        for name in ("epoch", "rank", "nranks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                msg = f"BatchContext: {name} must be an int, got {value!r:.40}"
+                raise ConfigurationError(msg)
         if self.epoch < 0:
             msg = f"BatchContext: epoch must be >= 0, got {self.epoch}"
             raise ConfigurationError(msg)
@@ -113,15 +119,21 @@ def tensor_batches(
     rank sees a disjoint part and the ranks together see every example once.
 
     Raises:
-        ConfigurationError: the tensors differ in length, are empty, or
-            ``batch_size < 1``.
+        ConfigurationError: the tensors differ in length, are empty or not tensors with a
+            batch dimension, ``batch_size`` is not an int >= 1, ``seed`` not an int >= 0, or
+            ``shuffle`` / ``drop_last`` not a bool.
     """
-    if batch_size < 1:
-        msg = f"tensor_batches: batch_size must be >= 1, got {batch_size}"
-        raise ConfigurationError(msg)
-    if seed < 0:
-        msg = f"tensor_batches: seed must be >= 0, got {seed}"
-        raise ConfigurationError(msg)
+    check_int("tensor_batches: batch_size", batch_size, 1)
+    check_int("tensor_batches: seed", seed, 0)
+    for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+        if not isinstance(value, bool):
+            msg = f"tensor_batches: {name} must be True or False, got {value!r:.40}"
+            raise ConfigurationError(msg)
+    for name, tensor in (("features", features), ("target", target)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            got = "a 0-dim tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            msg = f"tensor_batches: {name} must be a tensor with a batch dimension, got {got}"
+            raise ConfigurationError(msg)
     n = int(target.shape[0])
     if int(features.shape[0]) != n:
         msg = f"tensor_batches: features have {features.shape[0]} rows but target has {n}"
@@ -150,7 +162,17 @@ def tensor_batches(
 
 
 def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchStreamFactory:
-    """Adapt a factory of plain (synchronous) iterables of batches."""
+    """Adapt a factory of plain (synchronous) iterables of batches.
+
+    Raises:
+        ConfigurationError: ``make`` is not callable (e.g. the list of batches itself).
+    """
+    if not callable(make):
+        msg = (
+            f"iterable_batches: make must be a function of the batch context returning an iterable "
+            f"of batches, got {type(make).__name__}; e.g. iterable_batches(lambda context: batches)"
+        )
+        raise ConfigurationError(msg)
 
     def factory(context: BatchContext) -> BatchStream:
         async def stream() -> AsyncIterator[Batch]:
@@ -195,6 +217,7 @@ def dataloader_batches(
     if not isinstance(loader, DataLoader) and not callable(loader):
         msg = f"dataloader_batches: expected a DataLoader or a factory of them, got {type(loader).__name__}"
         raise ConfigurationError(msg)
+    check_int("dataloader_batches: seed", seed, 0)
     made_per_rank = not isinstance(loader, DataLoader)
 
     def make(context: BatchContext) -> Iterable[Batch]:

@@ -16,7 +16,9 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+import pathlib
+from collections.abc import Callable, Container
 from typing import Any
 
 import attrs
@@ -24,6 +26,9 @@ import attrs
 from lamploop.errors import ConfigurationError
 
 __all__ = [
+    "check_callable",
+    "check_directory",
+    "check_epochs_container",
     "check_int",
     "check_positive",
     "check_seconds",
@@ -41,6 +46,43 @@ def check_int(name: str, value: object, low: int) -> int:
         msg = f"{name} must be an int >= {low}, got {value!r}"
         raise ConfigurationError(msg)
     return value
+
+
+def check_callable(name: str, value: object, *, optional: bool = False) -> None:
+    """ConfigurationError naming ``name`` unless ``value`` is callable (or ``None`` when ``optional``)."""
+    if value is None and optional:
+        return
+    if not callable(value):
+        kind = "None or a function" if optional else "a function"
+        msg = f"{name} must be {kind}, got {type(value).__name__}"
+        raise ConfigurationError(msg)
+
+
+def check_directory(name: str, value: object) -> pathlib.Path:
+    """``value`` as a path (a str or an ``os.PathLike``) that is not an existing file."""
+    if not isinstance(value, str | os.PathLike):
+        msg = f"{name} must be a str or a pathlib.Path, got {type(value).__name__}"
+        raise ConfigurationError(msg)
+    path = pathlib.Path(value)
+    if path.exists() and not path.is_dir():
+        msg = f"{name} {str(path)!r} is a file, not a directory"
+        raise ConfigurationError(msg)
+    return path
+
+
+def check_epochs_container(name: str, value: object) -> None:
+    """``value`` holds epochs (``epoch in value``): a tuple, a set, ``range(...)``, ``ALL_EPOCHS``.
+
+    A string is a container too, but ``0 in "all"`` raises a TypeError at the first validation.
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Container):
+        msg = (
+            f"{name} must be a container of epochs "
+            f"(a tuple, a set, range(...) or lamploop.ALL_EPOCHS), got {type(value).__name__}"
+        )
+        if isinstance(value, str | bytes):
+            msg += f" {value!r:.40}"
+        raise ConfigurationError(msg)
 
 
 def check_seconds(name: str, value: object) -> float:

@@ -7,6 +7,7 @@ loss divided by the number of examples.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -17,7 +18,15 @@ import torch.nn.functional as F
 from lamploop.errors import ConfigurationError
 from lamploop.metrics import Metric
 
-__all__ = ["LossFunction", "SupervisedModel", "cross_entropy_loss", "mse_loss", "summed", "unwrapped"]
+__all__ = [
+    "LossFunction",
+    "SupervisedModel",
+    "check_model",
+    "cross_entropy_loss",
+    "mse_loss",
+    "summed",
+    "unwrapped",
+]
 
 
 class LossFunction(Protocol):
@@ -71,6 +80,39 @@ mse_loss: LossFunction = summed(F.mse_loss)
 """Summed squared error; an example's loss is the sum over its output elements."""
 
 
+def _check_module(_: object, __: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, torch.nn.Module):
+        msg = f"SupervisedModel: module must be a torch.nn.Module, got {type(value).__name__}"
+        raise ConfigurationError(msg)
+
+
+def _check_loss(_: object, __: attrs.Attribute[Any], value: object) -> None:
+    if not callable(value):
+        msg = (
+            f"SupervisedModel: loss must be a function (output, target) -> (loss sum, example count), "
+            f"got {type(value).__name__}; e.g. lamploop.summed(F.mse_loss)"
+        )
+        raise ConfigurationError(msg)
+
+
+def _metrics(value: object) -> dict[str, Metric]:
+    """``metrics`` as a dict of callables, else a ConfigurationError naming the bad entry."""
+    if not isinstance(value, Mapping):
+        msg = (
+            f"SupervisedModel: metrics must be a mapping of names to metrics "
+            f"(e.g. {{'accuracy': lamploop.metrics.accuracy}}), got {type(value).__name__}"
+        )
+        raise ConfigurationError(msg)
+    for name, metric in value.items():
+        if not isinstance(name, str) or not callable(metric):
+            msg = (
+                f"SupervisedModel: metrics[{name!r}] must be a function (output, target) -> (sum, count) "
+                f"under a str name, got {type(metric).__name__}"
+            )
+            raise ConfigurationError(msg)
+    return dict(value)
+
+
 @attrs.frozen
 class SupervisedModel:
     """A module trained to map features to targets.
@@ -80,17 +122,22 @@ class SupervisedModel:
         loss: maps ``(output, target)`` to ``(loss sum, example count)``.
         metrics: named :class:`~lamploop.metrics.Metric` s, computed on the same output in
             training and validation passes (e.g. ``{"accuracy": lamploop.metrics.accuracy}``).
+
+    Raises:
+        ConfigurationError: ``module`` is not a ``torch.nn.Module``, ``loss`` is not callable,
+            or ``metrics`` is not a mapping of str names to callables.
     """
 
-    module: torch.nn.Module
-    loss: LossFunction = cross_entropy_loss
-    metrics: Mapping[str, Metric] = attrs.field(factory=dict, converter=dict, hash=False)
+    module: torch.nn.Module = attrs.field(validator=_check_module)
+    loss: LossFunction = attrs.field(default=cross_entropy_loss, validator=_check_loss)
+    metrics: Mapping[str, Metric] = attrs.field(factory=dict, converter=_metrics, hash=False)
 
     def loss_sum_and_count(self, features: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Run the module and the loss on one batch.
 
         Raises:
-            ConfigurationError: the loss did not return ``(loss sum, example count)``.
+            ConfigurationError: the loss did not return ``(loss sum, example count)``: a
+                0-dim tensor and a number.
         """
         return self._loss_of(self.module(features), target)
 
@@ -111,7 +158,36 @@ class SupervisedModel:
         result = self.loss(output, target)
         if type(result) is not tuple or len(result) != 2:
             raise _not_a_sum_and_count(self.loss, result)
+        loss_sum, count = result
+        # Checked here, not where they fail: a (1,)-shaped sum fails in backward, a str count
+        # in the sum of counts, each with a message that names neither the loss nor the batch.
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
+            raise _not_a_sum_and_count(self.loss, result, f"a loss sum that is {_described(loss_sum)}")
+        if isinstance(count, bool) or not isinstance(count, numbers.Real | torch.Tensor):
+            raise _not_a_sum_and_count(self.loss, result, f"an example count that is {_described(count)}")
         return result
+
+
+def check_model(where: str, model: Any, *, trainable: bool = True) -> None:
+    """``model`` must be a :class:`~lamploop.SupervisedModel` (or have its two attributes).
+
+    With ``trainable`` (for a driver, which makes an optimizer) its module must have parameters.
+    """
+    if isinstance(model, torch.nn.Module):
+        msg = (
+            f"{where}: model is a torch.nn.Module ({type(model).__name__}); wrap it with its loss: "
+            "lamploop.SupervisedModel(module) (cross-entropy) or lamploop.SupervisedModel(module, loss=...)"
+        )
+        raise ConfigurationError(msg)
+    if not isinstance(getattr(model, "module", None), torch.nn.Module) or not callable(
+        getattr(model, "loss_sum_and_count", None)
+    ):
+        msg = f"{where}: model must be a lamploop.SupervisedModel, got {type(model).__name__}"
+        raise ConfigurationError(msg)
+    if trainable and next(model.module.parameters(), None) is None:
+        # Else torch's optimizer fails with "optimizer got an empty parameter list".
+        msg = f"{where}: the model's module ({type(model.module).__name__}) has no parameters to train"
+        raise ConfigurationError(msg)
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
@@ -155,8 +231,8 @@ def _shapes_differ(
     )
 
 
-def _not_a_sum_and_count(loss: object, result: object) -> ConfigurationError:
-    got = _described(result)
+def _not_a_sum_and_count(loss: object, result: object, got: str | None = None) -> ConfigurationError:
+    got = got or _described(result)
     name = getattr(loss, "__name__", type(loss).__name__)
     return ConfigurationError(
         f"SupervisedModel: the loss {name} returned {got}, not (loss sum, example count); "

@@ -32,6 +32,7 @@ import attrs
 
 from lamploop.averaging import EMA, SWA, Averaging
 from lamploop.checks import (
+    check_epochs_container,
     check_int,
     check_positive,
     check_seconds,
@@ -144,12 +145,7 @@ def _interval(_: object, __: attrs.Attribute[str], value: str) -> None:
 
 
 def _container(_: object, __: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, Container):
-        msg = (
-            "return_min_validation_loss_model must be a container of epochs "
-            f"(a tuple, a set, range(...) or lamploop.ALL_EPOCHS), got {type(value).__name__}"
-        )
-        raise ConfigurationError(msg)
+    check_epochs_container("return_min_validation_loss_model", value)
 
 
 def _profile(_: object, __: attrs.Attribute[Any], value: Any) -> None:

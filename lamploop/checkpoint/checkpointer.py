@@ -14,6 +14,7 @@ import anyio.to_thread
 from lamploop.checkpoint.extras import CheckpointExtra, capture_extras, check_extras
 from lamploop.checkpoint.rng import RngStates
 from lamploop.checkpoint.save import _check_keep_last, save_checkpoint
+from lamploop.checks import check_directory
 from lamploop.loop.boundary import EpochPosition
 from lamploop.state import LoopStateWithModelAndOptimizerData
 
@@ -48,12 +49,13 @@ class Checkpointer:
         """Save into ``directory``, keeping the last ``keep_last`` checkpoints.
 
         Raises:
-            ConfigurationError: ``keep_last`` is not ``None`` or an int >= 1, or an extra's
-                name or object is unfit (see :func:`~lamploop.checkpoint.extras.check_extras`).
+            ConfigurationError: ``keep_last`` is not ``None`` or an int >= 1, an extra's
+                name or object is unfit (see :func:`~lamploop.checkpoint.extras.check_extras`),
+                or ``directory`` is not a path or is a file.
         """
         _check_keep_last(keep_last, "Checkpointer")
         self.extras = check_extras("Checkpointer", extras)
-        self.directory = pathlib.Path(directory)
+        self.directory = check_directory("Checkpointer: directory", directory)
         self.keep_last = keep_last
         self.last_path: pathlib.Path | None = None
         self._lock = anyio.Lock()

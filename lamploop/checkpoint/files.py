@@ -62,6 +62,10 @@ def read_json_object(
 
 def _cpu_tensors(tensors: Mapping[Any, Any], what: str) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors; one that shares storage with an earlier one is cloned."""
+    if not isinstance(tensors, Mapping):
+        hint = " (pass module.state_dict())" if isinstance(tensors, torch.nn.Module) else ""
+        msg = f"{what}: expected a mapping of names to tensors{hint}, got {type(tensors).__name__}"
+        raise CheckpointError(msg)
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, tensor in tensors.items():

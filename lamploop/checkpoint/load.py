@@ -47,7 +47,7 @@ from lamploop.checkpoint.sharded import (
     sharded_model_spec,
     verify_sharded,
 )
-from lamploop.errors import CheckpointError
+from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec, model_spec
 from lamploop.schedules import LearningRateSchedule
@@ -116,6 +116,9 @@ def load_checkpoint(
         The checkpoint, with every tensor on the CPU.
 
     Raises:
+        ConfigurationError: an argument of the wrong kind (``path`` not a path, ``schedule``
+            without ``init`` and ``learning_rate_factor``, ``model`` neither a module nor a
+            state dict, ``restore_rng`` not a bool), before any file is read.
         CheckpointError: the message starts with the file at fault and says
             what is wrong: a missing directory or file, unreadable JSON, a
             format version newer than :data:`FORMAT_VERSION`, a malformed
@@ -146,6 +149,29 @@ def load_checkpoint_leaving_shards(
     return _load(path, schedule, model, False, whole=False)
 
 
+def _check_load_arguments(path: object, schedule: object, model: object, restore_rng: object) -> None:
+    """Arguments of the wrong kind, named before any file is read."""
+    if not isinstance(path, str | os.PathLike):
+        msg = f"load_checkpoint: path must be a str or a pathlib.Path, got {type(path).__name__}"
+        raise ConfigurationError(msg)
+    if schedule is not None and not (
+        callable(getattr(schedule, "init", None))
+        and callable(getattr(schedule, "learning_rate_factor", None))
+    ):
+        msg = (
+            "load_checkpoint: schedule must be None or a learning-rate schedule (init() and "
+            f"learning_rate_factor(...), see lamploop.schedules), got {type(schedule).__name__}"
+        )
+        raise ConfigurationError(msg)
+    if model is not None and not isinstance(model, torch.nn.Module | Mapping):
+        kind = type(model).__name__
+        msg = f"load_checkpoint: model must be None, a torch.nn.Module or a state dict, got {kind}"
+        raise ConfigurationError(msg)
+    if not isinstance(restore_rng, bool):
+        msg = f"load_checkpoint: restore_rng must be True or False, got {restore_rng!r:.40}"
+        raise ConfigurationError(msg)
+
+
 def _load(
     path: str | os.PathLike[str],
     schedule: LearningRateSchedule[Any] | None,
@@ -155,6 +181,7 @@ def _load(
     whole: bool,
 ) -> Checkpoint:
     """The checkpoint ``path`` names; from a run's root, the newest valid one if ``latest``'s is not."""
+    _check_load_arguments(path, schedule, model, restore_rng)
     directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
         return _load_directory(directory, schedule, model, restore_rng, whole=whole)

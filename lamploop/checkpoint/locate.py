@@ -13,6 +13,7 @@ import pathlib
 
 from lamploop.checkpoint.files import is_one_checkpoint, newest_complete, no_checkpoint_here, read_latest
 from lamploop.checkpoint.format import LATEST_NAME
+from lamploop.checks import check_directory
 from lamploop.errors import CheckpointError
 
 __all__ = ["latest_checkpoint", "resolve_checkpoint"]
@@ -29,10 +30,11 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
     :func:`load_checkpoint` does that.
 
     Raises:
+        ConfigurationError: ``directory`` is not a path, or is a file.
         CheckpointError: ``latest`` cannot be read, does not hold a checkpoint
             directory name, or names a directory that does not exist.
     """
-    root = pathlib.Path(directory)
+    root = check_directory("latest_checkpoint: directory", directory)
     name, problem = read_latest(root)
     if problem is not None:
         raise CheckpointError(problem)

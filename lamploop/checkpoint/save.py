@@ -43,6 +43,7 @@ from lamploop.checkpoint.format import (
 )
 from lamploop.checkpoint.rng import RngStates, _rng_to_disk, _RngRecord
 from lamploop.checkpoint.sharded import ShardedModelState
+from lamploop.checks import check_directory
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
@@ -106,7 +107,8 @@ def save_checkpoint(
 
     Raises:
         ConfigurationError: ``state`` is not a ``LoopStateWithModelAndOptimizerData``,
-            its epoch is negative, or ``keep_last`` is out of range.
+            its epoch is negative, ``keep_last`` is out of range, or ``directory`` is not
+            a path or is a file.
         CheckpointError: something in ``state`` or ``schedule_state`` cannot be
             stored without pickle (a non-tensor in a state dict, an object in
             the optimizer state, a schedule state that is not plain data).
@@ -124,7 +126,7 @@ def save_checkpoint(
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         msg = f"save_checkpoint: state.loop_state.epoch must be an int >= 0, got {epoch!r}"
         raise ConfigurationError(msg)
-    root = pathlib.Path(directory)
+    root = check_directory("save_checkpoint: directory", directory)
     if position is not None and position.epoch != epoch:
         msg = f"save_checkpoint: position.epoch={position.epoch} but state.loop_state.epoch={epoch}"
         raise ConfigurationError(msg)

@@ -39,6 +39,7 @@ from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.sharded import ShardsOnDisk
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop
 from lamploop.distributed.boundaries import SavePosition
+from lamploop.distributed.inputs import check_driver_arguments, check_reporters
 from lamploop.distributed.process_group import create_store
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import (
@@ -231,6 +232,15 @@ async def drive_distributed_training(
     """
     settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
     torch_device = check_place(nranks, device, "drive_distributed_training")
+    check_driver_arguments(
+        "drive_distributed_training",
+        model,
+        train_batches,
+        validation_batches,
+        init_state=init_state,
+        checkpoint_state=checkpoint_state,
+    )
+    check_reporters("drive_distributed_training", reporters)
     check_sharded_strategy("drive_distributed_training", settings, control=control)
     if settings.strategy == SHARDED and isinstance(checkpoint_state, Checkpointer):
         msg = (

@@ -13,6 +13,7 @@ from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlFollower, Train, Valid
 from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
+from lamploop.distributed.inputs import check_driver_arguments, check_follower_control
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import RankPlan, learning_rates, open_replica
@@ -81,6 +82,9 @@ async def follow_distributed_training(
     """
     settings = merged_settings(follow_distributed_training, locals(), RankSettingKeywords)
     torch_device = check_place(nranks, device, "follow_distributed_training")
+    where = f"follow_distributed_training (rank {rank})"
+    check_driver_arguments(where, model, train_batches, validation_batches)
+    check_follower_control(where, control)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)

@@ -20,6 +20,7 @@ from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
+from lamploop.distributed.inputs import check_driver_arguments, check_resume_arguments
 from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import ConfigurationError, error_detected_by_every_rank
 from lamploop.model import SupervisedModel
@@ -65,6 +66,34 @@ async def _follow(follower: ControlFollower, **kwargs: Any) -> None:
         await follow_distributed_training(control=follower, **kwargs)
 
 
+def _check_replicas(replicas: object, init_state: object, checkpoint_state: object) -> None:
+    """Each replica a ``(model, train_batches, validation_batches)`` triple of its own module."""
+    where = "local_data_parallel_training_loop"
+    if not isinstance(replicas, Sequence) or isinstance(replicas, str | bytes):
+        msg = f"{where}: models_with_data_streams must be a list of triples, got {type(replicas).__name__}"
+        raise ConfigurationError(msg)
+    check_resume_arguments(where, init_state, checkpoint_state)
+    modules: dict[int, int] = {}
+    for i, replica in enumerate(replicas):
+        if not isinstance(replica, tuple | list) or len(replica) != 3:
+            got = f"a {len(replica)}-tuple" if isinstance(replica, tuple | list) else type(replica).__name__
+            msg = (
+                f"{where}: models_with_data_streams[{i}] must be a (model, train_batches, "
+                f"validation_batches) triple (validation_batches may be None), got {got}"
+            )
+            raise ConfigurationError(msg)
+        model, train, valid = replica
+        check_driver_arguments(f"{where}: models_with_data_streams[{i}]", model, train, valid)
+        first = modules.setdefault(id(model.module), i)
+        if first != i:
+            # Two threads would run forward and backward on the same parameters at once.
+            msg = (
+                f"{where}: models_with_data_streams[{first}] and [{i}] share one module; give each "
+                "replica its own copy (copy.deepcopy(module))"
+            )
+            raise ConfigurationError(msg)
+
+
 async def local_data_parallel_training_loop(
     models_with_data_streams: Sequence[tuple[SupervisedModel, BatchStreamFactory, BatchStreamFactory | None]],
     optimizer_factory: OptimizerFactory,
@@ -90,7 +119,9 @@ async def local_data_parallel_training_loop(
     older keywords one setting each (:class:`~lamploop.settings.LocalSettingKeywords`), not both.
 
     Raises:
-        ConfigurationError: no replicas, or replicas on one CUDA device; an unknown keyword,
+        ConfigurationError: no replicas, or replicas on one CUDA device; a replica that is
+            not a ``(model, train_batches, validation_batches)`` triple of a SupervisedModel and
+            batch factories, or two replicas sharing one module; an unknown keyword,
             or a setting given both as a keyword and in ``settings=``; a ``profile`` (torch
             profiles one process, and the replicas are its threads: use ``fit(world_size=n)``).
         LamploopError: the first error of any replica (the others are ended within seconds).
@@ -106,6 +137,7 @@ async def local_data_parallel_training_loop(
     if not models_with_data_streams:
         msg = "local_data_parallel_training_loop: models_with_data_streams is empty"
         raise ConfigurationError(msg)
+    _check_replicas(models_with_data_streams, init_state, checkpoint_state)
     nranks = len(models_with_data_streams)
     devices = [_device_of(m.module) for m, _, _ in models_with_data_streams]
     cuda = [d for d in devices if d.type == "cuda"]

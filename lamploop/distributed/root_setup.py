@@ -29,6 +29,19 @@ def check_root_arguments(
     if nranks > 1 and control is None:
         msg = f"drive_distributed_training: nranks={nranks} needs a control channel, got control=None"
         raise ConfigurationError(msg)
+    if control is not None and not all(
+        callable(getattr(control, name, None)) for name in ("on_rendezvous_ready", "peers", "broadcast")
+    ):
+        hint = (
+            "; the root takes the ControlRoot (a follower's end has join())"
+            if hasattr(control, "join")
+            else ""
+        )
+        msg = (
+            "drive_distributed_training: control must be a ControlRoot (the first of "
+            f"lamploop.local_control(n), or a TcpControlRoot), got {type(control).__name__}{hint}"
+        )
+        raise ConfigurationError(msg)
     if init_position is not None and len(init_position.loss_sums) != nranks:
         msg = (
             f"drive_distributed_training: the step-boundary checkpoint to resume from was taken with "
@@ -47,7 +60,12 @@ def set_up_root(
     """Move the module, load the state to resume from, make the optimizer; its base learning rates."""
     module.to(device)
     if init_state is not None:
-        unwrapped(module).load_state_dict(init_state.model)
+        try:
+            unwrapped(module).load_state_dict(init_state.model)
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            # torch's "Error(s) in loading state_dict for ...", without saying whose state it was
+            msg = f"drive_distributed_training: init_state.model does not fit the model: {exc}"
+            raise ConfigurationError(msg) from exc
     optimizer = make_optimizer(optimizer_factory, module.parameters(), where="rank 0")
     base_lrs = learning_rates(optimizer)  # before a loaded state sets the last epoch's rates
     if init_state is not None and init_state.optimizer:

@@ -30,6 +30,7 @@ from lamploop.arguments import (
     check_batch_factory,
     check_checkpointing,
     check_early_stopping,
+    check_fit_keywords,
     check_model,
     check_optimizer_factory,
     check_reporters,
@@ -214,6 +215,15 @@ async def fit_async(
         check_batch_factory("fit", "train_batches", train_batches)
         check_batch_factory("fit", "validation_batches", validation_batches, optional=True)
         check_reporters("fit", reporters)
+        check_fit_keywords(
+            "fit",
+            on_epoch=on_epoch,
+            checkpoint_dir=checkpoint_dir,
+            resume=resume,
+            launch_command=launch_command,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+        )
         check_early_stopping("fit", early_stopping_patience, validation_batches)
         settings = TrainingSettings.from_arguments(locals())
         check_sharded_strategy("fit", settings)  # before any rank starts

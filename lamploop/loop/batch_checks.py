@@ -65,17 +65,28 @@ def loss_of(
     model: SupervisedModel, batch: Batch, epoch: int | None, index: int, rank: int
 ) -> tuple[torch.Tensor, int, Sequence[tuple[torch.Tensor, int]]]:
     """The model's loss sum, example count and metrics on one batch; an error inside names the batch."""
+    values: Sequence[tuple[torch.Tensor, int]]
     try:
         if model.metrics:
-            return model.loss_and_metrics(*batch)
-        loss_sum, count = model.loss_sum_and_count(*batch)
-        return loss_sum, count, ()
+            loss_sum, count, values = model.loss_and_metrics(*batch)
+        else:
+            (loss_sum, count), values = model.loss_sum_and_count(*batch), ()
     except (LamploopError, torch.OutOfMemoryError):
         raise  # ours say where already; running out of memory is no fault of the batch
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
         # e.g. a target of the wrong dtype for the loss: torch's message, and where it happened
         msg = f"{where(epoch, index, rank)}: the model or its loss failed: {type(exc).__name__}: {exc}"
         raise BatchError(msg) from exc
+    if torch.is_grad_enabled() and not loss_sum.requires_grad:
+        # A training pass (validation runs under no_grad): backward would fail with torch's
+        # "element 0 of tensors does not require grad", naming neither the loss nor the batch.
+        msg = (
+            f"{where(epoch, index, rank)}: the loss sum does not depend on any parameter that requires "
+            "grad (no grad_fn): does the loss detach it (.item(), torch.tensor(...), .detach()), or are "
+            "all of the module's parameters frozen?"
+        )
+        raise ConfigurationError(msg)
+    return loss_sum, count, values
 
 
 def check_stream(batches: object) -> None:

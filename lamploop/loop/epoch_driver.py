@@ -20,13 +20,14 @@ caller.  In pseudocode::
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Awaitable, Callable, Container
 from typing import Any, Final, TypeVar
 
 import attrs
 
-from lamploop.checks import check_int, check_smoothing
+from lamploop.checks import check_callable, check_epochs_container, check_int, check_smoothing
 from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
@@ -81,9 +82,60 @@ def _validate(
             f"{validation_frequency}; pass the same value to both"
         )
         raise ConfigurationError(msg)
-    if init_state is not None and init_state.epoch < 0:
-        msg = f"epochs: init_state.epoch must be >= 0, got {init_state.epoch}"
+    if init_state is not None and not isinstance(init_state, LoopState):
+        hint = "; pass its .loop_state" if hasattr(init_state, "loop_state") else ""
+        kind = type(init_state).__name__
+        msg = f"epochs: init_state must be a lamploop.LoopState or None, got {kind}{hint}"
         raise ConfigurationError(msg)
+    start = None if init_state is None else init_state.epoch
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        msg = f"epochs: init_state.epoch must be an int >= 0, got {start!r}"
+        raise ConfigurationError(msg)
+
+
+def _check_effects(
+    train_epoch: object,
+    validation_epoch: object,
+    save_min_validation_loss_model: object,
+    checkpoint_state: object,
+    on_end: object,
+    return_min_validation_loss_model: object,
+) -> None:
+    """The callbacks are callable and the eligible epochs a container, before the first epoch."""
+    try:
+        check_callable("train_epoch", train_epoch)
+        check_callable("validation_epoch", validation_epoch, optional=True)
+        check_callable("save_min_validation_loss_model", save_min_validation_loss_model)
+        check_callable("checkpoint_state", checkpoint_state, optional=True)
+        check_callable("on_end", on_end, optional=True)
+        check_epochs_container("return_min_validation_loss_model", return_min_validation_loss_model)
+    except ConfigurationError as exc:
+        msg = f"epochs: {exc}"
+        raise ConfigurationError(msg) from None
+
+
+def _check_schedule_state(schedule: object, state: object) -> None:
+    """A schedule state to resume from is of the schedule's state type (where it names one)."""
+    expected = getattr(schedule, "state_type", None)
+    if state is None or not isinstance(expected, type) or isinstance(state, expected):
+        return
+    msg = (
+        f"epochs: learning_rate_schedule_init_state is {type(state).__name__}, but the schedule "
+        f"{type(schedule).__name__} keeps a {expected.__name__}; pass the schedule state a checkpoint "
+        "of this schedule saved, or None to start it afresh"
+    )
+    raise ConfigurationError(msg)
+
+
+async def _awaited(result: object, name: str, epoch: int) -> Any:
+    """``await result``; a callback that returned a value instead of an awaitable is named."""
+    if not inspect.isawaitable(result):
+        msg = (
+            f"epochs: {name} returned {type(result).__name__} in epoch {epoch}, not an awaitable; "
+            f"make it an async function (async def {name}(...))"
+        )
+        raise ConfigurationError(msg)
+    return await result
 
 
 def _check_factor(factor: object, schedule: object, epoch: int) -> None:
@@ -97,7 +149,14 @@ def _check_factor(factor: object, schedule: object, epoch: int) -> None:
 
 
 def _finite(value: float, what: str, epoch: int) -> float:
-    value = float(value)
+    try:
+        if isinstance(value, str | bytes):
+            raise TypeError
+        value = float(value)
+    except (TypeError, ValueError):
+        described = f"a tensor of shape {tuple(value.shape)}" if hasattr(value, "shape") else f"{value!r:.60}"
+        msg = f"epochs: the {what} of epoch {epoch} is {described}, not a number (a float)"
+        raise ConfigurationError(msg) from None
     if not math.isfinite(value):
         msg = f"the {what} of epoch {epoch} is {value}"
         raise NonFiniteLossError(msg, epoch=epoch, batch=None)
@@ -166,13 +225,25 @@ async def epochs(
         The final ``LoopState``; its ``epoch`` is the number of epochs run in all.
 
     Raises:
-        ConfigurationError: an argument is out of range, or the schedule needs
-            a validation loss but ``validation_epoch`` is ``None``.
+        ConfigurationError: an argument is out of range or of the wrong kind (a callback
+            that is not callable or returns no awaitable, an ``init_state`` that is not a
+            ``LoopState``, a schedule state of another type than the schedule's
+            ``state_type``, a loss that is not a number), or the schedule needs a validation
+            loss but ``validation_epoch`` is ``None``.
         NonFiniteLossError: a training or validation loss is NaN or infinite.
     """
     schedule = learning_rate_schedule
     a = validation_loss_exponential_smoothing_factor
     _validate(max_epochs, validation_frequency, a, schedule, validation_epoch is not None, init_state)
+    _check_effects(
+        train_epoch,
+        validation_epoch,
+        save_min_validation_loss_model,
+        checkpoint_state,
+        on_end,
+        return_min_validation_loss_model,
+    )
+    _check_schedule_state(schedule, learning_rate_schedule_init_state)
     selection = ModelSelection(model_selection_metric, model_selection_mode)
     if early_stopping_patience is not None:
         check_int("epochs: early_stopping_patience", early_stopping_patience, 1)
@@ -191,7 +262,7 @@ async def epochs(
         reason = _end_reason(state, max_epochs, factor, early_stopping_patience, selection)
         if reason is None:
             try:
-                trained = await train_epoch(factor)
+                trained = await _awaited(train_epoch(factor), "train_epoch", epoch)
             except StreamExhausted:  # the stream of samples is over: the run ends, the empty epoch unrecorded
                 reason = f"every stream of samples ended (no rank had a batch in epoch {epoch})"
         if reason is not None:
@@ -202,7 +273,7 @@ async def epochs(
         validation: tuple[float, float] | None = None
         validation_metrics: dict[str, tuple[float, float]] = {}
         if validation_epoch is not None and epoch % validation_frequency == 0:
-            validated = await validation_epoch()
+            validated = await _awaited(validation_epoch(), "validation_epoch", epoch)
             raw = _finite(validated, "validation loss", epoch)
             previous = state.last_validation_loss if state.last_validation_loss is not None else raw
             validation = (raw * a + previous * (1.0 - a), raw)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lamploop.batches import BatchStream, source_ended
-from lamploop.checks import check_positive
+from lamploop.checks import check_callable, check_int, check_positive
 from lamploop.errors import (
     BatchError,
     ConfigurationError,
@@ -39,7 +39,7 @@ from lamploop.loop.profiler import StepProfiler
 from lamploop.loop.step_timing import StepTimes
 from lamploop.loop.training_pass import StepExtras, TrainingPass
 from lamploop.metrics import PassResult
-from lamploop.model import SupervisedModel
+from lamploop.model import SupervisedModel, check_model
 from lamploop.sync.channel import SingleProcessChannel, TensorChannel
 
 __all__ = ["ValidationStopped", "one_epoch"]
@@ -135,12 +135,14 @@ async def one_epoch(
         msg = f"one_epoch: accumulate_gradient_over_n_batches must be an int >= 1, got {k!r}"
         raise ConfigurationError(msg)
     check_stream(batches)
+    _check_arguments(model, step_optimizer, forward_only, before_step, after_step)
+    _check_channel_and_epoch(channel, epoch)
     policy = check_policy(on_non_finite_loss)
     check_precision(precision)
     if max_gradient_norm is not None:
         check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
-    target_device = torch.device(device) if device is not None else None
+    target_device = _device(device)
     metrics = MetricSums(list(model.metrics), () if start is None or forward_only else start.metric_sums)
     forward_of = Forward(model, precision, target_device or device_of(model.module))
     if forward_only:
@@ -178,6 +180,45 @@ async def one_epoch(
         msg = f"{place}the batch streams of all {channel.nranks} rank(s) were empty"
         raise mark_detected_by_every_rank(BatchError(msg))  # every rank sums the same zero
     return _result(total, count, metrics, metric_totals)
+
+
+def _check_arguments(
+    model: object, step_optimizer: object, forward_only: object, before_step: object, after_step: object
+) -> None:
+    """What would otherwise fail after the first batch's forward and backward, checked first."""
+    check_model("one_epoch", model, trainable=False)  # a forward-only pass needs no parameters
+    if not isinstance(forward_only, bool):
+        msg = f"one_epoch: forward_only must be True or False, got {forward_only!r:.40}"
+        raise ConfigurationError(msg)
+    if isinstance(step_optimizer, torch.optim.Optimizer):
+        msg = "one_epoch: step_optimizer is an optimizer; pass its step method: step_optimizer=optimizer.step"
+        raise ConfigurationError(msg)
+    check_callable("one_epoch: step_optimizer", step_optimizer, optional=True)
+    check_callable("one_epoch: before_step", before_step, optional=True)
+    check_callable("one_epoch: after_step", after_step, optional=True)
+
+
+def _check_channel_and_epoch(channel: object, epoch: object) -> None:
+    if channel is not None and not all(
+        hasattr(channel, name) for name in ("rank", "nranks", "gradient_sync", "all_reduce_sum")
+    ):
+        msg = (
+            "one_epoch: channel must be None (one process) or a TensorChannel (rank, nranks, "
+            f"gradient_sync, all_reduce_sum; see lamploop.sync.channel), got {type(channel).__name__}"
+        )
+        raise ConfigurationError(msg)
+    if epoch is not None:
+        check_int("one_epoch: epoch", epoch, 0)
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"one_epoch: device {device!r} is not a device torch knows ({exc})"
+        raise ConfigurationError(msg) from None
 
 
 def _result(total: float, count: float, metrics: MetricSums, metric_totals: list[float]) -> float:

@@ -1,0 +1,116 @@
+"""Checks of the model and the batch factories a driver is given, made before anything starts.
+
+They live below :mod:`lamploop.arguments` (which re-exports them for ``fit`` and ``lr_find``)
+so that :func:`~lamploop.drive_distributed_training`, :func:`~lamploop.follow_distributed_training`
+and :func:`~lamploop.local_data_parallel_training_loop` check their arguments alike: a bare
+``nn.Module`` or a tensor would otherwise fail deep inside the first epoch with an
+``AttributeError`` or ``TypeError`` that names neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lamploop.checks import check_callable
+from lamploop.errors import ConfigurationError
+from lamploop.model import check_model
+from lamploop.state import LoopStateWithModelAndOptimizerData
+
+__all__ = [
+    "check_batch_factory",
+    "check_driver_arguments",
+    "check_follower_control",
+    "check_model",
+    "check_reporters",
+    "check_resume_arguments",
+]
+
+
+def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool = False) -> None:
+    """``factory`` must be a batch factory (a callable of the batch context), not the data itself.
+
+    ``None`` passes when ``optional`` (no validation batches: no validation).
+    """
+    if factory is None and optional:
+        return
+    if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
+        return
+    kind = type(factory).__name__
+    if isinstance(factory, torch.utils.data.DataLoader):
+        hint = f"lamploop.dataloader_batches({name}_loader)"
+    elif isinstance(factory, torch.Tensor | list | tuple):
+        hint = "lamploop.tensor_batches(features, targets, batch_size=...)"
+    else:
+        hint = "lamploop.tensor_batches(...) or lamploop.dataloader_batches(...)"
+    msg = (
+        f"{where}: {name} must be a batch factory (called once per epoch with the batch context), "
+        f"got {kind}; make one with {hint}"
+    )
+    raise ConfigurationError(msg)
+
+
+def check_reporters(where: str, reporters: Any) -> None:
+    """``reporters``: ``None`` or a sequence of objects with a ``report(event)`` method.
+
+    A plain function (``reporters=[print]``) would fail at every event, each failure logged
+    and the run going on: it is refused before anything starts, with what to pass instead.
+    """
+    if reporters is None:
+        return
+    if isinstance(reporters, str | bytes) or not isinstance(reporters, Sequence):
+        msg = f"{where}: reporters must be a list of reporters, got {type(reporters).__name__}"
+        raise ConfigurationError(msg)
+    for i, reporter in enumerate(reporters):
+        if not callable(getattr(reporter, "report", None)):
+            msg = (
+                f"{where}: reporters[{i}] ({reporter!r}) has no report(event) method; pass a reporter "
+                "such as lamploop.reporting.LoggingReporter(), or an object of your own with "
+                "report(self, event) (see lamploop.reporting.Reporter)"
+            )
+            raise ConfigurationError(msg)
+
+
+def check_driver_arguments(
+    where: str,
+    model: Any,
+    train_batches: Any,
+    validation_batches: Any,
+    *,
+    init_state: object = None,
+    checkpoint_state: object = None,
+) -> None:
+    """A driver's model, batch factories, state to resume from and checkpoint callback."""
+    check_model(where, model)
+    check_batch_factory(where, "train_batches", train_batches)
+    check_batch_factory(where, "validation_batches", validation_batches, optional=True)
+    check_resume_arguments(where, init_state, checkpoint_state)
+
+
+def check_follower_control(where: str, control: object) -> None:
+    """``control`` is a follower's end of a control channel (it has ``join()``)."""
+    if not callable(getattr(control, "join", None)):
+        msg = (
+            f"{where}: control must be a ControlFollower (one of the followers of "
+            f"lamploop.local_control(n), or a TcpControlFollower), got {type(control).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
+def check_resume_arguments(where: str, init_state: object, checkpoint_state: object) -> None:
+    """Check ``init_state`` (a ``LoopStateWithModelAndOptimizerData`` or None) and ``checkpoint_state``."""
+    if init_state is not None and not isinstance(init_state, LoopStateWithModelAndOptimizerData):
+        if type(init_state).__name__ == "LoopState":
+            hint = "; a LoopState has no tensors: resume from lamploop.load_checkpoint(...)"
+        elif isinstance(getattr(init_state, "state", None), LoopStateWithModelAndOptimizerData):
+            hint = "; pass its .state (init_state=checkpoint.state)"  # a Checkpoint, as loaded
+        else:
+            hint = ""
+        msg = (
+            f"{where}: init_state must be a lamploop.LoopStateWithModelAndOptimizerData or None, "
+            f"got {type(init_state).__name__}{hint}"
+        )
+        raise ConfigurationError(msg)
+    check_callable(f"{where}: checkpoint_state", checkpoint_state, optional=True)

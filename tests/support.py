@@ -1,10 +1,12 @@
-"""What many test modules need: a free port on 127.0.0.1 and a bounded wait for a condition.
+"""What many test modules need: a free port on 127.0.0.1, a bounded wait for a condition, and
+the lines a stopped demo run ends with.
 
 One copy here instead of one per module (``free_port`` was written six times).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -33,3 +35,25 @@ ROOT: Path = Path(__file__).resolve().parent.parent
 
 WORKERS: Path = ROOT / "tests" / "workers"
 """The scripts the multi-process tests start (tests/workers/)."""
+
+
+STOPPED_AT_A_STEP = (
+    r"lamploop: stopped by {signal} at epoch \d+ after step \d+; a checkpoint was written there"
+)
+"""The line a run of the demo ends with when a stop signal lands in a training step."""
+
+STOPPED_IN_A_VALIDATION = (
+    r"lamploop: stopped by {signal} during the validation of epoch \d+, (at the epoch's end; the "
+    r"epoch's checkpoint was written, the next run resumes from there|which was cut short and "
+    r"discarded: .*)"
+)
+"""Its line when the signal lands in a validation instead (each of the demo's epochs ends with one)."""
+
+
+def stopped_by(signal_name: str, line: str) -> str | None:
+    """Which documented way ``line`` says a run stopped on ``signal_name``: "step", "validation" or None."""
+    if re.fullmatch(STOPPED_AT_A_STEP.format(signal=signal_name), line):
+        return "step"
+    if re.fullmatch(STOPPED_IN_A_VALIDATION.format(signal=signal_name), line):
+        return "validation"
+    return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import stopped_by
 
 import lamploop
 from lamploop.cli import EXIT_FAILED, EXIT_INTERRUPTED
@@ -63,11 +63,12 @@ def test_ctrl_c_stops_after_the_step_with_one_line_and_exits_130(tmp_path: Path)
     assert proc.returncode == EXIT_INTERRUPTED, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert re.fullmatch(
-        r"lamploop: stopped by SIGINT at epoch \d+ after step \d+; a checkpoint was written there", lines[0]
-    )
-    # The next run resumes from that step boundary.
-    assert "-step-" in (out / "latest").read_text()
+    # The signal may land in a validation instead of a step (each of the demo's epochs ends with
+    # one; under load CI saw it): the run then stops at that epoch's end, or discards it.
+    how = stopped_by("SIGINT", lines[0])
+    assert how is not None, lines[0]
+    if how == "step":  # the next run resumes from that step boundary
+        assert "-step-" in (out / "latest").read_text()
 
 
 def test_federated_approve_adds_the_plans_hash_to_the_allow_list_once(

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import stopped_by
 
 from lamploop.cli import EXIT_INTERRUPTED
 
@@ -149,9 +150,7 @@ def test_ctrl_c_on_a_terminal_says_one_line(tmp_path: Path) -> None:
     assert len(epochs) >= 2
     assert all(re.match(rf"epoch {i}: train loss", line) for i, line in enumerate(epochs)), screen
     said = screen[-1:]
-    assert re.fullmatch(
-        r"lamploop: stopped by SIGINT at epoch \d+ after step \d+; a checkpoint was written there", said[0]
-    ), said
+    assert stopped_by("SIGINT", said[0]) is not None, said  # in a step, or in a validation
     assert "Traceback" not in term.output.decode(errors="replace")
 
 

@@ -448,7 +448,7 @@ async def test_a_follower_that_does_not_fit_is_refused_on_both_sides(
     for error in (root_error, follower_error):
         for word in words:
             assert word in str(error)
-    assert elapsed < 5.0  # refused at once, not after the join timeout
+    assert elapsed < 10.0  # refused at once, not after the 20 s join timeout (margin for a loaded machine)
 
 
 @pytest.mark.anyio

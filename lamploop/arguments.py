@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lamploop.checkpoint.extras import CheckpointExtra, check_extras
-from lamploop.checks import check_callable, check_directory
+from lamploop.checks import check_bool, check_callable, check_directory
 from lamploop.control.settings import Link
 from lamploop.distributed.inputs import check_batch_factory, check_model, check_reporters
 from lamploop.distributed.rank_extras import SYNC_EXTRA
@@ -64,9 +64,7 @@ def check_fit_keywords(
     check_callable(f"{where}: on_epoch", on_epoch, optional=True)
     if checkpoint_dir is not None:
         check_directory(f"{where}: checkpoint_dir", checkpoint_dir)
-    if not isinstance(resume, bool):
-        msg = f"{where}: resume must be True or False, got {resume!r:.40}"
-        raise ConfigurationError(msg)
+    check_bool(f"{where}: resume", resume)
     if launch_command is not None and (
         isinstance(launch_command, str | bytes)
         or not isinstance(launch_command, Sequence)

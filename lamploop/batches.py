@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lamploop.checks import check_int
+from lamploop.checks import check_bool, check_int
 from lamploop.errors import ConfigurationError
 from lamploop.forked_children import worker_init_leaving_signals
 
@@ -125,10 +125,8 @@ def tensor_batches(
     """
     check_int("tensor_batches: batch_size", batch_size, 1)
     check_int("tensor_batches: seed", seed, 0)
-    for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
-        if not isinstance(value, bool):
-            msg = f"tensor_batches: {name} must be True or False, got {value!r:.40}"
-            raise ConfigurationError(msg)
+    check_bool("tensor_batches: shuffle", shuffle)
+    check_bool("tensor_batches: drop_last", drop_last)
     for name, tensor in (("features", features), ("target", target)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             got = "a 0-dim tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__

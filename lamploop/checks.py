@@ -26,11 +26,13 @@ import attrs
 from lamploop.errors import ConfigurationError
 
 __all__ = [
+    "check_bool",
     "check_callable",
     "check_directory",
     "check_epochs_container",
     "check_int",
     "check_positive",
+    "check_schedule",
     "check_seconds",
     "check_smoothing",
     "int_at_least",
@@ -46,6 +48,13 @@ def check_int(name: str, value: object, low: int) -> int:
         msg = f"{name} must be an int >= {low}, got {value!r}"
         raise ConfigurationError(msg)
     return value
+
+
+def check_bool(name: str, value: object) -> None:
+    """ConfigurationError naming ``name`` unless ``value`` is ``True`` or ``False`` (not 0, 1 or "no")."""
+    if not isinstance(value, bool):
+        msg = f"{name} must be True or False, got {value!r:.40}"
+        raise ConfigurationError(msg)
 
 
 def check_callable(name: str, value: object, *, optional: bool = False) -> None:
@@ -82,6 +91,24 @@ def check_epochs_container(name: str, value: object) -> None:
         )
         if isinstance(value, str | bytes):
             msg += f" {value!r:.40}"
+        raise ConfigurationError(msg)
+
+
+def check_schedule(name: str, value: object, *, optional: bool = False) -> None:
+    """ConfigurationError naming ``name`` unless ``value`` is a learning-rate schedule.
+
+    ``None`` passes when ``optional``.  A schedule has ``init()`` and
+    ``learning_rate_factor(state, epoch, last_validation_loss)``.
+    """
+    if value is None and optional:
+        return
+    init, factor = getattr(value, "init", None), getattr(value, "learning_rate_factor", None)
+    if not (callable(init) and callable(factor)):
+        kind = "None or a learning-rate schedule" if optional else "a learning-rate schedule"
+        msg = (
+            f"{name} must be {kind} (init() and learning_rate_factor(state, epoch, "
+            f"last_validation_loss), see lamploop.schedules), got {type(value).__name__}"
+        )
         raise ConfigurationError(msg)
 
 

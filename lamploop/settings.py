@@ -35,6 +35,7 @@ from lamploop.checks import (
     check_epochs_container,
     check_int,
     check_positive,
+    check_schedule,
     check_seconds,
     check_smoothing,
     int_at_least,
@@ -93,14 +94,7 @@ def _positive_megabytes(_: object, attribute: attrs.Attribute[float], value: flo
 
 
 def _schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
-    if not callable(getattr(value, "init", None)) or not callable(
-        getattr(value, "learning_rate_factor", None)
-    ):
-        msg = (
-            "learning_rate_schedule must have init() and learning_rate_factor(state, epoch, "
-            f"last_validation_loss) (see lamploop.schedules), got {type(value).__name__}"
-        )
-        raise ConfigurationError(msg)
+    check_schedule("learning_rate_schedule", value)
 
 
 def _non_finite_policy(_: object, __: attrs.Attribute[str], value: str) -> None:

@@ -47,6 +47,7 @@ from lamploop.checkpoint.sharded import (
     sharded_model_spec,
     verify_sharded,
 )
+from lamploop.checks import check_bool, check_schedule
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec, model_spec
@@ -154,22 +155,12 @@ def _check_load_arguments(path: object, schedule: object, model: object, restore
     if not isinstance(path, str | os.PathLike):
         msg = f"load_checkpoint: path must be a str or a pathlib.Path, got {type(path).__name__}"
         raise ConfigurationError(msg)
-    if schedule is not None and not (
-        callable(getattr(schedule, "init", None))
-        and callable(getattr(schedule, "learning_rate_factor", None))
-    ):
-        msg = (
-            "load_checkpoint: schedule must be None or a learning-rate schedule (init() and "
-            f"learning_rate_factor(...), see lamploop.schedules), got {type(schedule).__name__}"
-        )
-        raise ConfigurationError(msg)
+    check_schedule("load_checkpoint: schedule", schedule, optional=True)
     if model is not None and not isinstance(model, torch.nn.Module | Mapping):
         kind = type(model).__name__
         msg = f"load_checkpoint: model must be None, a torch.nn.Module or a state dict, got {kind}"
         raise ConfigurationError(msg)
-    if not isinstance(restore_rng, bool):
-        msg = f"load_checkpoint: restore_rng must be True or False, got {restore_rng!r:.40}"
-        raise ConfigurationError(msg)
+    check_bool("load_checkpoint: restore_rng", restore_rng)
 
 
 def _load(

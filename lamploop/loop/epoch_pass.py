@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lamploop.batches import BatchStream, source_ended
-from lamploop.checks import check_callable, check_int, check_positive
+from lamploop.checks import check_bool, check_callable, check_int, check_positive
 from lamploop.errors import (
     BatchError,
     ConfigurationError,
@@ -187,9 +187,7 @@ def _check_arguments(
 ) -> None:
     """What would otherwise fail after the first batch's forward and backward, checked first."""
     check_model("one_epoch", model, trainable=False)  # a forward-only pass needs no parameters
-    if not isinstance(forward_only, bool):
-        msg = f"one_epoch: forward_only must be True or False, got {forward_only!r:.40}"
-        raise ConfigurationError(msg)
+    check_bool("one_epoch: forward_only", forward_only)
     if isinstance(step_optimizer, torch.optim.Optimizer):
         msg = "one_epoch: step_optimizer is an optimizer; pass its step method: step_optimizer=optimizer.step"
         raise ConfigurationError(msg)

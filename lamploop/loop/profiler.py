@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import torch
 
-from lamploop.checks import int_at_least
+from lamploop.checks import check_bool, int_at_least
 from lamploop.errors import ConfigurationError
 
 __all__ = ["Profile", "StepProfiler", "trace_file_pattern"]
@@ -42,9 +42,7 @@ def _out_dir(value: object) -> Path:
 
 
 def _flag(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        msg = f"Profile: {attribute.name} must be True or False, got {value!r}"
-        raise ConfigurationError(msg)
+    check_bool(f"Profile: {attribute.name}", value)
 
 
 @attrs.frozen(kw_only=True)

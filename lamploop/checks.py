@@ -1,4 +1,4 @@
-"""Checks of single values, at the bottom of the package: they depend on :mod:`lamploop.errors` only.
+"""Checks of single values, at the bottom of the package: they import lamploop.errors (and torch) only.
 
 Every module that checks an argument imports its check from here, so that the checks of a
 setting and the messages they give are written once; :mod:`lamploop.settings`, which
@@ -22,12 +22,14 @@ from collections.abc import Callable, Container
 from typing import Any
 
 import attrs
+import torch
 
 from lamploop.errors import ConfigurationError
 
 __all__ = [
     "check_bool",
     "check_callable",
+    "check_device",
     "check_directory",
     "check_epochs_container",
     "check_int",
@@ -65,6 +67,15 @@ def check_callable(name: str, value: object, *, optional: bool = False) -> None:
         kind = "None or a function" if optional else "a function"
         msg = f"{name} must be {kind}, got {type(value).__name__}"
         raise ConfigurationError(msg)
+
+
+def check_device(where: str, device: torch.device | str | int) -> torch.device:
+    """``device`` as a ``torch.device``, else a ConfigurationError saying torch does not know it."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"{where}: device {device!r} is not a device torch knows ({exc})"
+        raise ConfigurationError(msg) from None
 
 
 def check_directory(name: str, value: object) -> pathlib.Path:

@@ -13,6 +13,7 @@ import os
 import attrs
 import torch
 
+from lamploop.checks import check_device
 from lamploop.distributed.launch import LaunchEnv, launch_env
 from lamploop.errors import ConfigurationError
 
@@ -95,11 +96,7 @@ def checked_device(device: torch.device | str, where: str = "fit") -> torch.devi
     Raises:
         ConfigurationError: torch does not know ``device``, or it is CUDA where there is none.
     """
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        msg = f"{where}: device {device!r} is not a device torch knows ({exc})"
-        raise ConfigurationError(msg) from None
+    torch_device = check_device(where, device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         msg = (
             f"{where}: device={str(device)!r}, but CUDA is not available here (torch "

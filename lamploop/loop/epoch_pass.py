@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lamploop.batches import BatchStream, source_ended
-from lamploop.checks import check_bool, check_callable, check_int, check_positive
+from lamploop.checks import check_bool, check_callable, check_device, check_int, check_positive
 from lamploop.errors import (
     BatchError,
     ConfigurationError,
@@ -142,7 +142,7 @@ async def one_epoch(
     if max_gradient_norm is not None:
         check_positive("max_gradient_norm", max_gradient_norm)
     channel = channel if channel is not None else SingleProcessChannel()
-    target_device = _device(device)
+    target_device = check_device("one_epoch", device) if device is not None else None
     metrics = MetricSums(list(model.metrics), () if start is None or forward_only else start.metric_sums)
     forward_of = Forward(model, precision, target_device or device_of(model.module))
     if forward_only:
@@ -207,16 +207,6 @@ def _check_channel_and_epoch(channel: object, epoch: object) -> None:
         raise ConfigurationError(msg)
     if epoch is not None:
         check_int("one_epoch: epoch", epoch, 0)
-
-
-def _device(device: torch.device | str | None) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        msg = f"one_epoch: device {device!r} is not a device torch knows ({exc})"
-        raise ConfigurationError(msg) from None
 
 
 def _result(total: float, count: float, metrics: MetricSums, metric_totals: list[float]) -> float:

@@ -404,6 +404,13 @@ CASES: dict[str, Case] = {
         "drive_distributed_training: init_state must be a lamploop.LoopStateWithModelAndOptimizerData "
         "or None, got LoopState",
     ),
+    "drive init_state a whole Checkpoint": (
+        lambda tmp: _drive(
+            init_state=lamploop.load_checkpoint(lamploop.save_checkpoint(tmp / "run", _state()))
+        ),
+        ConfigurationError,
+        r"drive_distributed_training: init_state must be .* got Checkpoint; pass its \.state",
+    ),
     "drive init_state of another model": (
         lambda _: _drive(init_state=_state({"weight": torch.zeros(3)})),
         ConfigurationError,

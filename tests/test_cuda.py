@@ -21,6 +21,21 @@ pytestmark = [
 ]
 
 
+def _fsdp2_missing() -> str | None:
+    """Why this torch cannot run strategy 'fsdp' (its FSDP2 lacks a method), or None."""
+    from lamploop.errors import ConfigurationError
+    from lamploop.sync.fsdp import check_fsdp2_api
+
+    try:
+        check_fsdp2_api()
+    except ConfigurationError as error:
+        return str(error)
+    return None
+
+
+needs_fsdp2 = pytest.mark.skipif(_fsdp2_missing() is not None, reason=str(_fsdp2_missing()))
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     return torch.randn(256, 16, generator=generator, dtype=torch.float64), torch.randint(
@@ -107,6 +122,7 @@ def test_fit_with_the_default_device_trains_on_cuda() -> None:
 
 
 @pytest.mark.timeout(120)
+@needs_fsdp2
 def test_fully_sharded_on_one_nccl_rank_matches_cpu(tmp_path: Path) -> None:
     """:class:`~lamploop.sync.FullyShard` over NCCL (one rank: FSDP2's hooks, the stand-in rule,
     the sharded checkpoint) gives the CPU's plain training, and its checkpoint reads back whole."""
@@ -135,6 +151,7 @@ def test_fully_sharded_on_one_nccl_rank_matches_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@needs_fsdp2
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="fit(strategy='fsdp', world_size=2) needs 2 CUDA devices"
 )

@@ -7,6 +7,7 @@ from typing import Final
 from lamploop.control.local import LocalControlFollower, LocalControlRoot
 from lamploop.errors import ConfigurationError
 from lamploop.settings import TrainingSettings
+from lamploop.sync.fsdp import check_fsdp2_api
 
 __all__ = ["SHARDED", "check_sharded_strategy"]
 
@@ -26,7 +27,8 @@ def check_sharded_strategy(
     - ranks as threads of one process (``control`` is an in-process channel, or ``in_process``:
       ``local_data_parallel_training_loop``, which checks before it makes its channel): FSDP2
       registers one process group per process and its ranks' device mesh by process, so the
-      ranks must be processes (``fit(world_size=...)`` or the drivers under a launcher).
+      ranks must be processes (``fit(world_size=...)`` or the drivers under a launcher);
+    - a torch whose FSDP2 lacks a method the strategy needs (:func:`~lamploop.sync.fsdp.check_fsdp2_api`).
     """
     if settings.strategy != SHARDED:
         return
@@ -53,3 +55,4 @@ def check_sharded_strategy(
             "world_size=n) or the drivers with a TCP channel, one process per rank"
         )
         raise ConfigurationError(msg)
+    check_fsdp2_api(where)

@@ -82,11 +82,13 @@ from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import GradientSync, register_strategy
 
 __all__ = [
+    "FSDP2_METHODS",
     "GIVE_UP_AFTER_S",
     "AbortableAllGather",
     "AbortableReduceScatter",
     "FullyShard",
     "FullyShardedSync",
+    "check_fsdp2_api",
     "default_units",
     "is_sharded",
     "local_bytes",
@@ -99,6 +101,16 @@ GIVE_UP_AFTER_S: Final = 0.5
 does not look at the signal (a ``DTensor``'s), is waited for before it is given up on.  Within the
 bound a survivor ends in (the heartbeat timeout and a second), and long enough for a thread in a
 sliced wait (:data:`~lamploop.sync.collectives.POLL_S`) to end by itself on a loaded machine."""
+
+FSDP2_METHODS: Final = (
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
+    "set_gradient_divide_factor",
+    "set_force_sum_reduction_for_comms",
+    "set_reduce_scatter_unused_params",
+)
+"""The methods of ``FSDPModule`` that :meth:`FullyShard.shard` calls: torch 2.13 has them all;
+2.11 lacks ``set_reduce_scatter_unused_params`` (seen on a GPU machine's torch 2.11.0+cu130)."""
 
 _DTYPES: dict[str, torch.dtype] = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
 _names = itertools.count()
@@ -148,6 +160,23 @@ def _new_mesh(collectives: Collectives) -> DeviceMesh:
     # Gloo group's destruction can abort the process, see lamploop.sync.abandon).
     weakref.finalize(mesh, torch._C._distributed_c10d._unregister_process_group, name)
     return mesh
+
+
+def check_fsdp2_api(where: str = "FullyShard.shard") -> None:
+    """Raise ConfigurationError if this torch's FSDP2 lacks a method the ``fsdp`` strategy needs.
+
+    Without ``set_reduce_scatter_unused_params`` a parameter that one rank's forward did not
+    use would make the ranks reduce-scatter different tensors (wrong sums, or a hang on NCCL):
+    the strategy refuses such a torch before anything starts rather than train on it.
+    """
+    missing = [name for name in FSDP2_METHODS if not hasattr(FSDPModule, name)]
+    if missing:
+        names = ", ".join(f"FSDPModule.{name}" for name in missing)
+        msg = (
+            f"{where}: strategy 'fsdp' needs FSDP2's {names}, which this torch ({torch.__version__}) "
+            "lacks (torch 2.13 has it): upgrade torch, or train with strategy='all_reduce'"
+        )
+        raise ConfigurationError(msg)
 
 
 def default_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -378,8 +407,10 @@ class FullyShard:
         sharding replaces every parameter by a ``DTensor`` shard.
 
         Raises:
-            ConfigurationError: ``module`` is sharded already, or the device is not supported.
+            ConfigurationError: ``module`` is sharded already, the device is not supported, or
+                this torch's FSDP2 lacks a method it needs (:func:`check_fsdp2_api`).
         """
+        check_fsdp2_api()
         if is_sharded(module):
             msg = "strategy 'fsdp': the model is sharded already"
             raise ConfigurationError(msg)

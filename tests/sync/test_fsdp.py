@@ -328,6 +328,41 @@ def test_refuses_an_unsharded_model_and_a_bad_dtype() -> None:
         FullyShard(param_dtype="fp8")
 
 
+def test_a_torch_whose_fsdp2_lacks_a_needed_method_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch 2.11's FSDP2 has no ``set_reduce_scatter_unused_params`` (a GPU machine's torch
+    2.11.0+cu130 raised AttributeError from deep inside ``shard``): both ``shard`` and ``fit``
+    refuse such a torch with a ConfigurationError naming the method, before any rank starts."""
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    module = worker.mlp()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    with pytest.raises(
+        ConfigurationError, match=r"FullyShard.shard: .*FSDPModule.set_reduce_scatter_unused_params"
+    ):
+        FullyShard().shard(None, module)  # type: ignore[arg-type]  # refused before it is used
+    assert not isinstance(module, FSDPModule)
+    assert all(torch.equal(p, before[name]) for name, p in module.named_parameters())
+    launched = tmp_path / "launched"
+    with pytest.raises(
+        ConfigurationError, match=r"^fit: strategy 'fsdp' needs .*set_reduce_scatter_unused_params"
+    ):
+        lamploop.fit(
+            model=lamploop.SupervisedModel(worker.mlp()),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+            train_batches=lamploop.tensor_batches(torch.randn(8, 4), torch.randint(0, 2, (8,)), batch_size=4),
+            max_epochs=1,
+            device="cpu",
+            world_size=2,
+            strategy="fsdp",
+            launch_command=[sys.executable, "-c", f"open({str(launched)!r}, 'w')"],
+            reporters=[],
+        )
+    assert not launched.exists()
+
+
 def test_save_refuses_an_existing_checkpoint_name_on_one_rank(tmp_path: Path) -> None:
     """One rank over a one-rank Gloo group: the whole flow, and a second save of the same name refused."""
     import datetime

@@ -128,20 +128,42 @@ class StreamBuffer:
                 before it) from its producer.
         """
         with self._lock:
-            self._check_puts(samples)
-            taken = 0
-            full, resident, capacity = self._policy.full, self._resident, self._capacity
-            for sample in samples:
-                if full(len(resident), capacity):
-                    break
-                self._insert(sample)
-                taken += 1
+            last_seqs = self._check_puts(samples)
+            if self._on_evict is not None:  # it may look at the buffer between two puts
+                return self._put_each(samples)
+            taken, evicted = self._policy.insert_many(self._resident, samples, self._capacity, self._rng)
+            self._evicted += len(evicted)
+            if taken == len(samples):
+                self._last_seq.update(last_seqs)
+            else:
+                for sample in samples[:taken]:
+                    self._last_seq[sample.producer] = sample.seq
+            self._received += taken
             if taken:
                 self._wake_readers()
             return taken
 
-    def _check_puts(self, samples: Sequence[Sample]) -> None:
-        """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order."""
+    def _put_each(self, samples: Sequence[Sample]) -> int:
+        """:meth:`try_put_many`'s puts one at a time (checked), each eviction told at once."""
+        taken = 0
+        for sample in samples:
+            count, evicted = self._policy.insert_many(self._resident, (sample,), self._capacity, self._rng)
+            if not count:
+                break
+            for slot in evicted:
+                self._evicted += 1
+                if self._on_evict is not None:
+                    self._on_evict(slot.sample.key, slot.seen)
+            self._last_seq[sample.producer] = sample.seq
+            self._received += 1
+            taken += 1
+        if taken:
+            self._wake_readers()
+        return taken
+
+    def _check_puts(self, samples: Sequence[Sample]) -> dict[str, int]:
+        """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order;
+        else each producer's last seq among ``samples``."""
         owner = type(self).__name__
         if samples and self._closed:
             msg = f"{owner}: sample {samples[0].key} put after close(): the producers said they were done"
@@ -159,16 +181,7 @@ class StreamBuffer:
                 )
                 raise DuplicateSampleError(msg)
             listed[sample.producer] = sample.seq
-
-    def _insert(self, sample: Sample) -> None:
-        """Take ``sample`` (room and order were checked); count it and any sample it evicted."""
-        evicted = self._policy.insert(self._resident, Slot(sample), self._capacity, self._rng)
-        if evicted is not None:
-            self._evicted += 1
-            if self._on_evict is not None:
-                self._on_evict(evicted.sample.key, evicted.seen)
-        self._last_seq[sample.producer] = sample.seq
-        self._received += 1
+        return listed
 
     def try_get(self) -> Sample | None:
         """Read a sample if one is readable now, else ``None`` (watermark not reached, or empty).
@@ -210,6 +223,19 @@ class StreamBuffer:
         if self._on_read is not None:
             self._on_read(slot.sample.key, slot.seen)
         return slot
+
+    def _take_many(self, n: int) -> list[Sample]:
+        """Up to ``n`` reads in a row (the buffer is readable): as many :meth:`_take` in one step."""
+        if self._on_read is not None:  # it may look at the buffer between two reads
+            batch: list[Sample] = []
+            while len(batch) < n and (slot := self._take()) is not None:
+                batch.append(slot.sample)
+            return batch
+        read, any_left = self._policy.read_many(self._resident, n, self._rng, self._max_reads, self._closed)
+        self._read_total += len(read)
+        if any_left:
+            self._wake_writers()
+        return [slot.sample for slot in read]
 
     def _wake_readers(self) -> None:
         self._readers.wake()
@@ -271,10 +297,7 @@ class StreamBuffer:
         while True:
             with self._lock:
                 if self._readable() and (len(self._resident) >= n or self._closed):
-                    batch: list[Sample] = []
-                    while len(batch) < n and (slot := self._take()) is not None:
-                        batch.append(slot.sample)
-                    return batch
+                    return self._take_many(n)
                 if self.ended:
                     raise StreamEnded(f"{owner}: closed and drained, the stream is over")
                 wake = self._readers.event()

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from collections.abc import Iterable, MutableSequence
+from collections.abc import Iterable, MutableSequence, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -129,6 +129,52 @@ class Policy(abc.ABC):
     def after_read(self, slots: MutableSequence[Slot], index: int, left: bool) -> None:
         """Move the sample just read at ``index``: out of ``slots`` if it ``left``, else where it stays."""
 
+    def insert_many(
+        self, slots: MutableSequence[Slot], samples: Sequence[Sample], capacity: int, rng: np.random.Generator
+    ) -> tuple[int, list[Slot]]:
+        """Put ``samples`` in order while :meth:`full` says there is room: how many were taken,
+        and the slots they evicted (in order).
+
+        Exactly :meth:`full` then :meth:`insert` for each in turn (a subclass may do it faster,
+        with the same result): the buffer calls this for a run of puts.
+        """
+        taken = 0
+        evicted: list[Slot] = []
+        for sample in samples:
+            if self.full(len(slots), capacity):
+                break
+            old = self.insert(slots, Slot(sample), capacity, rng)
+            if old is not None:
+                evicted.append(old)
+            taken += 1
+        return taken, evicted
+
+    def read_many(
+        self,
+        slots: MutableSequence[Slot],
+        n: int,
+        rng: np.random.Generator,
+        max_reads: int | None,
+        closed: bool,
+    ) -> tuple[list[Slot], bool]:
+        """Up to ``n`` reads in a row (fewer when ``slots`` empties): the slots read, in order
+        (each one's ``seen`` counts its reads so far), and whether any read sample left.
+
+        Exactly :meth:`pick`, :meth:`leaves` and :meth:`after_read` for each read in turn (a
+        subclass may do it faster, with the same result and the same draws).
+        """
+        read: list[Slot] = []
+        any_left = False
+        while len(read) < n and slots:
+            index = self.pick(slots, rng)
+            slot = slots[index]
+            slot.seen += 1
+            left = self.leaves(slot.seen, max_reads, closed)
+            self.after_read(slots, index, left)
+            any_left = any_left or left
+            read.append(slot)
+        return read, any_left
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self)
 
@@ -162,6 +208,33 @@ class FifoPolicy(Policy):
         del slots[index]
         if not left:
             slots.append(slot)
+
+    def insert_many(
+        self, slots: MutableSequence[Slot], samples: Sequence[Sample], capacity: int, rng: np.random.Generator
+    ) -> tuple[int, list[Slot]]:
+        """As many as there is room for, appended at once (the stream's hot path: a frame's samples)."""
+        if type(self).full is not Policy.full or type(self).insert is not Policy.insert:
+            return super().insert_many(slots, samples, capacity, rng)  # a subclass decides
+        taken = min(max(capacity - len(slots), 0), len(samples))
+        slots.extend([Slot(sample) for sample in samples[:taken]])
+        return taken, []
+
+    def read_many(
+        self,
+        slots: MutableSequence[Slot],
+        n: int,
+        rng: np.random.Generator,
+        max_reads: int | None,
+        closed: bool,
+    ) -> tuple[list[Slot], bool]:
+        """A sample read once and leaving at its first read (``max_reads=1``, the default): the
+        first ``n`` taken off the front at once (the stream's hot path: a batch)."""
+        if max_reads != 1 or type(self).leaves is not Policy.leaves or not isinstance(slots, deque):
+            return super().read_many(slots, n, rng, max_reads, closed)  # reads that may stay
+        read = [slots.popleft() for _ in range(min(n, len(slots)))]
+        for slot in read:
+            slot.seen += 1
+        return read, bool(read)
 
 
 class _RandomOut(Policy):

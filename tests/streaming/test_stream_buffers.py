@@ -760,3 +760,63 @@ async def test_get_batch_waits_for_n_samples_then_takes_them_at_once() -> None:
         with pytest.raises(StreamEnded):
             await buffer.get_batch(3)
     assert got == [[("a", 0), ("a", 1), ("a", 2)]]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    policy=st.sampled_from(sorted(POLICIES)),
+    seed=st.integers(0, 2**32),
+    capacity=st.integers(1, 6),
+    max_reads=st.sampled_from([1, 2, 3, None]),
+    watermark=st.integers(1, 6),
+    steps=st.lists(st.tuples(st.sampled_from(["put", "get", "close"]), st.integers(1, 8)), max_size=16),
+)
+def test_runs_of_puts_and_batches_of_reads_are_the_documented_single_steps(
+    policy: str, seed: int, capacity: int, max_reads: int | None, watermark: int, steps: list[tuple[str, int]]
+) -> None:
+    """``try_put_many`` and ``get_batch`` without callbacks take the runs' fast paths (a frame's
+    samples appended at once, a batch taken off a FIFO's front at once): the same samples in the
+    same order, the same draws, evictions, counters and state as the reference's single steps."""
+    if max_reads is None and policy != "reservoir":
+        max_reads = 1
+    watermark = min(watermark, capacity)
+    buffer = _make(policy, capacity, watermark, seed, max_reads)
+    reference = Reference(policy, capacity, watermark, seed, max_reads)
+    seq = 0
+    for op, n in steps:
+        if op == "put":
+            batch = [_sample("ab"[i % 2], seq + i) for i in range(n)]
+            if buffer.closed:
+                with pytest.raises(BufferClosedError):
+                    buffer.try_put_many(batch)
+                continue
+            taken = buffer.try_put_many(batch)
+            expected = 0
+            while expected < n and reference.put(batch[expected].key):
+                expected += 1
+            assert taken == expected
+            seq += taken
+        elif op == "close":
+            buffer.close()
+            reference.closed = True
+        else:
+            n = min(n, capacity)
+            readable = reference.items and (reference.received >= watermark or reference.closed)
+            if not readable or (len(reference.items) < n and not reference.closed):
+                continue  # get_batch would wait
+            got = anyio.run(buffer.get_batch, n)
+            want = []
+            while len(want) < n and (key := reference.get()) not in (None, "ended"):
+                want.append(key)
+            assert [s.key for s in got] == want
+            for sample in got:
+                _check_tensors(sample)
+        assert buffer.fill == len(reference.items)
+        assert list(buffer.seen_counts().items()) == reference.seen()
+        assert (buffer.received, buffer.read_total, buffer.evicted) == (
+            reference.received,
+            reference.read_total,
+            len(reference.evicted),
+        )
+    # The generators are in the same state: the next draw is the same.
+    assert int(buffer._rng.integers(1 << 30)) == int(reference.rng.integers(1 << 30))

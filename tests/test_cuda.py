@@ -33,7 +33,8 @@ def _fsdp2_missing() -> str | None:
     return None
 
 
-needs_fsdp2 = pytest.mark.skipif(_fsdp2_missing() is not None, reason=str(_fsdp2_missing()))
+_FSDP2_MISSING = _fsdp2_missing()
+needs_fsdp2 = pytest.mark.skipif(_FSDP2_MISSING is not None, reason=str(_FSDP2_MISSING))
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

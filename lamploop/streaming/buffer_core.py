@@ -128,22 +128,19 @@ class StreamBuffer:
                 before it) from its producer.
         """
         with self._lock:
-            last_seqs = self._check_puts(samples)
+            self._check_puts(samples)
             if self._on_evict is not None:  # it may look at the buffer between two puts
-                return self._put_each(samples)
+                return self._put_each(samples, self._on_evict)
             taken, evicted = self._policy.insert_many(self._resident, samples, self._capacity, self._rng)
             self._evicted += len(evicted)
-            if taken == len(samples):
-                self._last_seq.update(last_seqs)
-            else:
-                for sample in samples[:taken]:
-                    self._last_seq[sample.producer] = sample.seq
+            for sample in samples[:taken]:
+                self._last_seq[sample.producer] = sample.seq
             self._received += taken
             if taken:
                 self._wake_readers()
             return taken
 
-    def _put_each(self, samples: Sequence[Sample]) -> int:
+    def _put_each(self, samples: Sequence[Sample], on_evict: OnEvict) -> int:
         """:meth:`try_put_many`'s puts one at a time (checked), each eviction told at once."""
         taken = 0
         for sample in samples:
@@ -152,8 +149,7 @@ class StreamBuffer:
                 break
             for slot in evicted:
                 self._evicted += 1
-                if self._on_evict is not None:
-                    self._on_evict(slot.sample.key, slot.seen)
+                on_evict(slot.sample.key, slot.seen)
             self._last_seq[sample.producer] = sample.seq
             self._received += 1
             taken += 1
@@ -161,9 +157,8 @@ class StreamBuffer:
             self._wake_readers()
         return taken
 
-    def _check_puts(self, samples: Sequence[Sample]) -> dict[str, int]:
-        """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order;
-        else each producer's last seq among ``samples``."""
+    def _check_puts(self, samples: Sequence[Sample]) -> None:
+        """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order."""
         owner = type(self).__name__
         if samples and self._closed:
             msg = f"{owner}: sample {samples[0].key} put after close(): the producers said they were done"
@@ -181,7 +176,6 @@ class StreamBuffer:
                 )
                 raise DuplicateSampleError(msg)
             listed[sample.producer] = sample.seq
-        return listed
 
     def try_get(self) -> Sample | None:
         """Read a sample if one is readable now, else ``None`` (watermark not reached, or empty).

@@ -16,7 +16,6 @@ from typing import Any
 import safetensors
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
 
 from lamploop.checkpoint.codec import decode_tree
 from lamploop.checkpoint.format import _CHECKPOINT_NAME
@@ -31,6 +30,7 @@ from lamploop.checkpoint.sharded_index import (
 )
 from lamploop.checkpoint.sharded_verify import verify_sharded
 from lamploop.errors import CheckpointError
+from lamploop.sync.fsdp import is_dtensor
 
 __all__ = ["ShardsOnDisk", "load_best_sharded", "load_sharded", "read_best", "read_full"]
 
@@ -95,7 +95,7 @@ class _Reader:
         if entry is not None and list(entry["shape"]) != list(target.shape):
             msg = f"{key}: saved with shape {entry['shape']}, the model's is {list(target.shape)}"
             raise CheckpointError(msg)
-        if isinstance(target, DTensor):
+        if is_dtensor(target):
             mesh = target.device_mesh
             full_rows = target.shape[0]
             coordinate = mesh.get_coordinate()  # from the mesh itself: no default group asked
@@ -104,7 +104,7 @@ class _Reader:
                 raise CheckpointError(msg)
             start, count = _rows_of(full_rows, coordinate[0], mesh.size())
             local = self.rows(key, start, count).to(target.device)
-            return DTensor.from_local(
+            return type(target).from_local(
                 local, mesh, target.placements, shape=target.shape, stride=target.stride()
             )
         full = target.shape[0] if target.dim() else 0
@@ -131,8 +131,8 @@ def load_sharded(
     with torch.no_grad():
         for name, p in [*module.named_parameters(), *module.named_buffers()]:
             value = reader.like(_MODEL + name, p)
-            target = p.to_local() if isinstance(p, DTensor) else p
-            source = value.to_local() if isinstance(value, DTensor) else value
+            target = p.to_local() if is_dtensor(p) else p
+            source = value.to_local() if is_dtensor(value) else value
             target.copy_(source)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(index, reader, module, optimizer))

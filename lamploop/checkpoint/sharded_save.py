@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lamploop.checkpoint.codec import encode_tree
 from lamploop.checkpoint.files import (
@@ -41,13 +40,14 @@ from lamploop.checkpoint.sharded_index import (
 from lamploop.errors import CheckpointError
 from lamploop.strict_json import fsync_dir
 from lamploop.sync.collectives import Collectives
+from lamploop.sync.fsdp import is_dtensor
 
 __all__ = ["ShardWriter", "ShardedModelState", "save_sharded"]
 
 
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """(this rank's rows, the full shape, sharded?) of a parameter or state tensor."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         return tensor.to_local(), tuple(tensor.shape), True
     return tensor, tuple(tensor.shape), False
 

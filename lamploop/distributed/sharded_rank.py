@@ -36,13 +36,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lamploop.checkpoint.sharded import ShardWriter, load_best_sharded, load_sharded
 from lamploop.distributed.worker import run_on_worker
 from lamploop.errors import CheckpointError, mark_detected_by_every_rank
 from lamploop.sync.collectives import AbortSignal, Collectives
-from lamploop.sync.fsdp import FullyShard
+from lamploop.sync.fsdp import FullyShard, is_dtensor
 
 __all__ = ["ShardedRank"]
 
@@ -169,7 +168,7 @@ class ShardedRank:
         own_buffers = dict(self.own.named_buffers())
         with torch.no_grad():
             for name, value in source.items():
-                full = value.full_tensor() if isinstance(value, DTensor) else value
+                full = value.full_tensor() if is_dtensor(value) else value
                 if name in own_parameters:
                     target = own_parameters[name]
                     target.data = full.detach().to(target.device, copy=True)
@@ -179,6 +178,8 @@ class ShardedRank:
 
 def _cut_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``full`` cut as the sharded ``like`` is (every rank holds ``full``: no collective)."""
-    if isinstance(like, DTensor):
+    if is_dtensor(like):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return full

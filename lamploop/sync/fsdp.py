@@ -58,28 +58,36 @@ Checkpoints of a sharded model: :mod:`lamploop.checkpoint.sharded`.
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
-import weakref
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 import attrs
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import GroupName
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-# The interfaces of FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (public
-# methods) live in a private module of torch 2.13.
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lamploop.errors import ConfigurationError
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import GradientSync, register_strategy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from lamploop.sync.fsdp_collectives import AbortableAllGather, AbortableReduceScatter, mesh_of
+
+# FSDP2 and DTensor are imported when a model is sharded, not with lamploop (about 1.4 s of
+# every process's start-up here): lamploop.sync.fsdp_collectives holds what subclasses them.
+_LAZY = {"AbortableAllGather", "AbortableReduceScatter", "mesh_of"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from lamploop.sync import fsdp_collectives
+
+        return getattr(fsdp_collectives, name)
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
+
 
 __all__ = [
     "FSDP2_METHODS",
@@ -90,6 +98,7 @@ __all__ = [
     "FullyShardedSync",
     "check_fsdp2_api",
     "default_units",
+    "is_dtensor",
     "is_sharded",
     "local_bytes",
     "mesh_of",
@@ -113,53 +122,6 @@ FSDP2_METHODS: Final = (
 2.11 lacks ``set_reduce_scatter_unused_params`` (seen on a GPU machine's torch 2.11.0+cu130)."""
 
 _DTYPES: dict[str, torch.dtype] = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
-_names = itertools.count()
-_meshes_lock = threading.Lock()
-_meshes: weakref.WeakKeyDictionary[Collectives, DeviceMesh] = weakref.WeakKeyDictionary()
-
-
-def mesh_of(collectives: Collectives) -> DeviceMesh:
-    """The one-dimensional device mesh over ``collectives``' process group (made once per ``collectives``).
-
-    The group is registered under a name of its own for as long as the mesh lives (the
-    sharded module's parameters hold it); nothing here keeps it alive longer.
-
-    Raises:
-        ConfigurationError: a device that is neither ``cpu`` (Gloo) nor ``cuda`` (NCCL).
-    """
-    with _meshes_lock:
-        mesh = _meshes.get(collectives)
-        if mesh is None:
-            mesh = _new_mesh(collectives)
-            _meshes[collectives] = mesh
-        return mesh
-
-
-def _new_mesh(collectives: Collectives) -> DeviceMesh:
-    device_type = collectives.device.type
-    if device_type == "cpu":
-        backend_type = dist.ProcessGroup.BackendType.GLOO
-    elif device_type == "cuda":
-        backend_type = dist.ProcessGroup.BackendType.NCCL
-    else:
-        msg = f"strategy 'fsdp': device type {device_type!r} is not supported (cpu or cuda)"
-        raise ConfigurationError(msg)
-    name = GroupName(f"lamploop-fsdp-{os.getpid()}-{next(_names)}")
-    # A ProcessGroup around lamploop's backend object: FSDP2 and DTensor look groups up by
-    # name (functional collectives) and ask them for ranks and sizes.
-    wrapper = dist.ProcessGroup(dist.HashStore(), collectives.rank, collectives.nranks)
-    wrapper._set_default_backend(backend_type)
-    wrapper._register_backend(torch.device(device_type), backend_type, collectives.group)
-    wrapper._set_group_name(name)
-    torch._C._distributed_c10d._register_process_group(name, wrapper)
-    ranks = torch.arange(collectives.nranks, dtype=torch.int)
-    mesh = DeviceMesh(device_type, ranks, _init_backend=False, _rank=collectives.rank)
-    mesh._dim_group_names = [name]
-    mesh._pg_registry[name] = wrapper
-    # Released with the mesh, during the run, not while the interpreter finalizes (where a
-    # Gloo group's destruction can abort the process, see lamploop.sync.abandon).
-    weakref.finalize(mesh, torch._C._distributed_c10d._unregister_process_group, name)
-    return mesh
 
 
 def check_fsdp2_api(where: str = "FullyShard.shard") -> None:
@@ -169,6 +131,8 @@ def check_fsdp2_api(where: str = "FullyShard.shard") -> None:
     use would make the ranks reduce-scatter different tensors (wrong sums, or a hang on NCCL):
     the strategy refuses such a torch before anything starts rather than train on it.
     """
+    from torch.distributed.fsdp import FSDPModule
+
     missing = [name for name in FSDP2_METHODS if not hasattr(FSDPModule, name)]
     if missing:
         names = ", ".join(f"FSDPModule.{name}" for name in missing)
@@ -190,7 +154,16 @@ def default_units(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """Whether ``module`` was sharded by ``fully_shard`` (its root is an FSDP unit)."""
-    return isinstance(module, FSDPModule)
+    # No FSDP unit exists before FSDP2 is imported: asked on every forward, this imports nothing.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor (a sharded parameter's type); imports nothing, as none
+    exists before DTensor is imported."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
@@ -203,7 +176,7 @@ def local_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
         storage = local.untyped_storage()
         if storage.data_ptr() in seen and storage.data_ptr() != 0:
             continue
@@ -256,67 +229,14 @@ def rebuild_optimizer(
 
 
 def _shard_like(value: Any, full: torch.Tensor, sharded: torch.nn.Parameter) -> Any:
-    if isinstance(value, torch.Tensor) and isinstance(sharded, DTensor) and value.shape == full.shape:
+    if isinstance(value, torch.Tensor) and is_dtensor(sharded) and value.shape == full.shape:
+        from torch.distributed.tensor import distribute_tensor
+
         # Every rank holds the full tensor (broadcast from the root): cut locally, no collective.
         return distribute_tensor(
             value.detach().to(sharded.device), sharded.device_mesh, sharded.placements, src_data_rank=None
         )
     return value
-
-
-class _WaitedBySlices:
-    """What FSDP2's custom collectives share here: the rank's collectives, and plain buffers."""
-
-    def __init__(self, collectives: Collectives) -> None:
-        self._collectives = collectives
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def _wait(self, work: dist.Work | None, tensors: list[torch.Tensor], what: str) -> None:
-        assert work is not None  # started with async_op=True
-        self._collectives.wait(self._collectives.track(work, tensors), what)
-
-
-class AbortableAllGather(_WaitedBySlices, AllGather):
-    """FSDP2's all-gather, waited for by :meth:`Collectives.wait`: sliced, ended by the abort signal.
-
-    Started as FSDP2's default does (``torch.distributed.all_gather_single`` on the unit's
-    group, which wraps ``collectives``' group), always asynchronously, and waited for before
-    returning: FSDP2 then takes it for a synchronous collective (it is one on the CPU anyway).
-    """
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
-        self._wait(work, [output_tensor, input_tensor], "FSDP all-gather of a unit's parameters")
-        return None
-
-
-class AbortableReduceScatter(_WaitedBySlices, ReduceScatter):
-    """FSDP2's reduce-scatter of a unit's gradients, waited for by :meth:`Collectives.wait`.
-
-    See :class:`AbortableAllGather`.
-    """
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        self._wait(work, [output_tensor, input_tensor], "FSDP reduce-scatter of a unit's gradients")
-        return None
 
 
 class FullyShardedSync:
@@ -361,7 +281,7 @@ class FullyShardedSync:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 @attrs.frozen(kw_only=True)
@@ -395,6 +315,8 @@ class FullyShard:
                 raise ConfigurationError(msg)
 
     def _policy(self) -> MixedPrecisionPolicy:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         param = _DTYPES[self.param_dtype] if self.param_dtype is not None else None
         reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype is not None else None
         return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
@@ -411,6 +333,10 @@ class FullyShard:
                 this torch's FSDP2 lacks a method it needs (:func:`check_fsdp2_api`).
         """
         check_fsdp2_api()
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from lamploop.sync.fsdp_collectives import AbortableAllGather, AbortableReduceScatter, mesh_of
+
         if is_sharded(module):
             msg = "strategy 'fsdp': the model is sharded already"
             raise ConfigurationError(msg)

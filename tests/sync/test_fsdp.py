@@ -363,6 +363,39 @@ def test_a_torch_whose_fsdp2_lacks_a_needed_method_is_refused_before_anything_st
     assert not launched.exists()
 
 
+def test_importing_lamploop_leaves_fsdp2_and_dtensor_to_the_first_sharded_model() -> None:
+    """FSDP2 and DTensor (with sympy) cost every process about 1.2 s of start-up: ``import
+    lamploop`` and an unsharded forward leave them unimported; sharding imports them, and the
+    names moved to ``lamploop.sync.fsdp_collectives`` are still ``lamploop.sync.fsdp``'s."""
+    script = """
+import sys, torch, lamploop
+from lamploop.sync import fsdp
+heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "sympy")
+assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+module = torch.nn.Linear(2, 2)
+assert not fsdp.is_sharded(module) and not fsdp.is_dtensor(module.weight)
+assert fsdp.local_bytes([module.weight, None]) == 16
+assert not [m for m in heavy if m in sys.modules]
+from lamploop.sync import fsdp_collectives
+assert fsdp.mesh_of is fsdp_collectives.mesh_of
+assert fsdp.AbortableAllGather is fsdp_collectives.AbortableAllGather
+from torch.distributed.fsdp import FSDPModule
+assert fsdp.FSDP2_METHODS
+try:
+    fsdp.no_such_name
+except AttributeError as exc:
+    assert "no_such_name" in str(exc)
+else:
+    raise AssertionError("fsdp.no_such_name resolved")
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok", result.stdout
+
+
 def test_save_refuses_an_existing_checkpoint_name_on_one_rank(tmp_path: Path) -> None:
     """One rank over a one-rank Gloo group: the whole flow, and a second save of the same name refused."""
     import datetime

@@ -17,7 +17,10 @@ Three measurements, each alternating the contenders inside the same run:
    (lamploop: every sample trained on and the producer done; raw: the sender's end of
    stream); the rate counts only the samples delivered after the clock started.  Targets:
    BlockingProducer >= 0.9 AsyncProducer; lamploop >= 0.5 raw at 64 KiB and >= 0.2 raw at
-   1 KiB.
+   1 KiB.  A fourth contender, ``async drained``, is ``AsyncProducer`` with the buffer drained
+   by ``get_batch`` and ``torch.stack`` alone (no model): the raw socket trains nothing, and
+   the small model's step (some 20 µs of CPU per 1 KiB sample on a slow core, on the
+   receiver's thread) would otherwise be counted against the transport.
 2. **Training while ingesting.**  Steps per second of the 1M-parameter MLP (batches of 64,
    64 KiB samples of 16384 floats cut to its 512 inputs) drawn from a buffer fed live over
    TCP by one ``BlockingProducer`` process, against the same steps drawn from a buffer filled
@@ -175,14 +178,17 @@ def _producer_command(kind: str, host: str, port: int, token: str, count: int, f
 # -- 1. ingestion --
 
 
-def ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool = False) -> float:
+def ingest_lamploop(
+    kind: str, count: int, floats: int, own_thread: bool = False, train: bool = True
+) -> float:
     """Samples per second through producer -> receiver -> buffer, drained by a training loop
-    (``own_thread``: the receiver on a thread of its own)."""
+    (``own_thread``: the receiver on a thread of its own; ``train=False``: drained by
+    ``get_batch`` and ``torch.stack`` alone, no model: the transport's own rate)."""
     with torch_threads(1):
-        return anyio.run(_ingest_lamploop, kind, count, floats, own_thread)
+        return anyio.run(_ingest_lamploop, kind, count, floats, own_thread, train)
 
 
-async def _ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool) -> float:
+async def _ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool, train: bool) -> float:
     token = secrets.token_hex(16)
     buffer = sink = FirstPut(capacity=1024, watermark=32, seed=0)
     options: dict[str, Any] = {"own_thread": True} if own_thread else {}
@@ -200,10 +206,11 @@ async def _ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool)
             batch = await buffer.get_batch(min(32, count - trained))
             x = torch.stack([s.tensors["x"][:16] for s in batch])
             y = torch.stack([s.tensors["y"] for s in batch])
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            if train:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
             trained += len(batch)
         await receiver.wait_all_done()
         ended = time.perf_counter()
@@ -651,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                 "blocking": partial(ingest_lamploop, "blocking", count, floats),
                 "async": partial(ingest_lamploop, "async", count, floats),
                 "raw": partial(ingest_raw, count, floats),
+                "async drained": partial(ingest_lamploop, "async", count, floats, train=False),
             },
             rounds,
         )
@@ -658,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
             "blocking/async": (_ratio(rates["blocking"], rates["async"]), 0.9),
             "async/raw": (_ratio(rates["async"], rates["raw"]), raw_target),
             "blocking/raw": (_ratio(rates["blocking"], rates["raw"]), raw_target),
+            # The raw socket only reads; drained without a model, lamploop's side does no more
+            # than the transport's work (receive, decode, put, ack, draw and stack).
+            "async drained/raw": (_ratio(rates["async drained"], rates["raw"]), raw_target),
         }
         results[f"ingest {label}"] = {
             "samples_per_s": rates,

@@ -16,6 +16,7 @@ work, so they run in-process: root and follower as tasks of one event loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -475,8 +476,10 @@ async def test_slow_setup_on_the_root_does_not_time_out_a_joining_follower() -> 
 
     A process's first optimizer imports ``torch._dynamo`` (seconds; over ten on a loaded
     machine: seen in these tests as "the root ... did not finish the handshake in 10 s").
-    Here a factory that takes 2 s stands in for it, and the follower, in a thread with its
-    own event loop, connects 0.3 s into it with a 0.5 s handshake timeout.
+    Here a factory that blocks until the follower (in a thread with its own event loop) has
+    finished its handshake stands in for it: were the root's loop blocked by the factory, the
+    handshake could never finish, and the factory gives up after 30 s. No clock decides it
+    (a 2 s factory against a 0.5 s handshake timeout did, and a loaded machine could miss it).
     """
     data = {"seed": 7, "batches": [2, 2]}
     common: dict[str, Any] = {
@@ -487,15 +490,27 @@ async def test_slow_setup_on_the_root_does_not_time_out_a_joining_follower() -> 
     root_module, follower_module = worker.make_module({"seed": 0}, 0), worker.make_module({"seed": 0}, 1)
     worker.optimizer_factory({"name": "sgd"})(root_module.parameters())  # the real import, out of the way
 
+    joined = threading.Event()  # set when the follower's handshake is done (its log line says so)
+
+    class _Joined(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("rank 1 joined"):
+                joined.set()
+
+    handler = _Joined(logging.INFO)
+    control_logger = logging.getLogger("lamploop.control")
+    level = control_logger.level
+    control_logger.addHandler(handler)
+    control_logger.setLevel(logging.INFO)
+
     def slow_factory(params: Any) -> torch.optim.Optimizer:
-        time.sleep(2.0)
+        assert joined.wait(30), "the follower could not finish its handshake while the factory ran"
         return torch.optim.SGD(params, lr=0.1)
 
     errors: dict[str, BaseException] = {}
 
     def follower(port: int) -> None:
         async def follow() -> None:
-            await anyio.sleep(0.3)
             async with TcpControlFollower(
                 host="127.0.0.1",
                 port=port,
@@ -503,7 +518,7 @@ async def test_slow_setup_on_the_root_does_not_time_out_a_joining_follower() -> 
                 nranks=2,
                 token="t",
                 model_spec=model_spec(follower_module),
-                handshake_timeout=0.5,
+                handshake_timeout=10.0,
             ) as control:
                 await follow_distributed_training(
                     rank=1, nranks=2, control=control, model=SupervisedModel(follower_module), **common
@@ -516,7 +531,7 @@ async def test_slow_setup_on_the_root_does_not_time_out_a_joining_follower() -> 
 
     with anyio.fail_after(40):
         async with TcpControlRoot(
-            nranks=2, token="t", model_spec=model_spec(root_module), join_timeout=4.0
+            nranks=2, token="t", model_spec=model_spec(root_module), join_timeout=30.0
         ) as root:
             thread = threading.Thread(target=follower, args=(root.address[1],), daemon=True)
             thread.start()
@@ -531,5 +546,7 @@ async def test_slow_setup_on_the_root_does_not_time_out_a_joining_follower() -> 
                 )
             finally:
                 await anyio.to_thread.run_sync(thread.join, 20.0)
+                control_logger.removeHandler(handler)
+                control_logger.setLevel(level)
     assert "follower" not in errors, repr(errors.get("follower"))
     assert state.epoch == 1

@@ -13,8 +13,10 @@ training's thread", "When no sample comes").  ``MODE``:
 - ``flowing``: that producer never stops sending (the FIFO buffer is full, its puts wait on the
   receiver's thread): a stop while samples flow.
 
-``OUT_DIR/waiting.json`` appears once the trainer waits (``empty``: the receiver listens and
-``fit`` is called; ``stalled``, ``flowing``: the third batch was drawn).  After ``TrainingInterrupted``,
+``OUT_DIR/waiting.json`` appears once the trainer waits (``empty``: the training pass asked the
+buffer for its first batch; ``stalled``, ``flowing``: the third batch was drawn).  Not before:
+a signal during ``fit``'s set-up (its first optimizer imports ``torch._dynamo``, seconds on a
+loaded machine) would time the set-up, not the stop of a run that waits.  After ``TrainingInterrupted``,
 the receiver's block is left and ``OUT_DIR/result.json`` gets the ids trained on, the error's
 message and when it came, and the threads still alive; the exit status is 143 after SIGTERM
 (130 after SIGINT), 0 if ``fit`` returned (which it must not: nothing closes the buffer).
@@ -69,10 +71,26 @@ def _sample(ident: int) -> dict[str, torch.Tensor]:
     return {"x": x, "y": (x[1:].sum() > 0).long()}
 
 
+class _SaysWhenAsked(FifoBuffer):
+    """A FIFO buffer that writes ``waiting.json`` when first asked for a batch (``empty``)."""
+
+    def __init__(self, out: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._out = out
+        self._asked = False
+
+    async def get_batch(self, n: int) -> list[Sample]:
+        if not self._asked:
+            self._asked = True
+            _write(self._out / "waiting.json", {"asked": n})
+        return await super().get_batch(n)
+
+
 async def main(out: Path, mode: str) -> int:
     torch.manual_seed(0)
     token = secrets.token_hex(16)
-    buffer = FifoBuffer(capacity=32, watermark=1, seed=0)
+    options: dict[str, Any] = {"capacity": 32, "watermark": 1, "seed": 0}
+    buffer = _SaysWhenAsked(out, **options) if mode == "empty" else FifoBuffer(**options)
     stream = StreamState(buffer)
     stream.restore(out / "checkpoints")
     module = _Recording()
@@ -102,8 +120,6 @@ async def main(out: Path, mode: str) -> int:
     ):
         if mode != "empty":
             tg.start_soon(producer_task, receiver.address)
-        else:
-            _write(out / "waiting.json", {"port": receiver.address[1]})
         try:
             await lamploop.fit_async(
                 model=lamploop.SupervisedModel(module, lamploop.cross_entropy_loss),

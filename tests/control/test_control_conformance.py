@@ -153,7 +153,7 @@ async def test_broadcast_is_refused_before_rendezvous_and_after_stop(channel: Ch
 
 async def test_root_times_out_naming_the_missing_ranks(channel: Channel) -> None:
     async def run(followers: Followers) -> None:
-        async with channel(4, join_timeout=0.5) as (root, ends):
+        async with channel(4, join_timeout=3.0) as (root, ends):  # rank 1 joins well within it
             followers.start(ends[0])  # rank 1 joins, ranks 2 and 3 never do
             try:
                 await root.on_rendezvous_ready(RENDEZVOUS)

@@ -44,6 +44,7 @@ async def test_thousands_of_garbage_connections_log_a_few_lines_and_the_run_goes
 ) -> None:
     got: list[object] = []
     with caplog.at_level(logging.WARNING, logger="lamploop.control"), anyio.fail_after(50):
+        began = time.monotonic()  # the refusal log's first window starts with the root
         async with TcpControlRoot(nranks=2, token=TOKEN, model_spec=SPEC, handshake_timeout=2.0) as root:
             port = root.address[1]
 
@@ -65,9 +66,10 @@ async def test_thousands_of_garbage_connections_log_a_few_lines_and_the_run_goes
                 await root.on_rendezvous_ready(Rendezvous("127.0.0.1", 1))
                 await root.broadcast(Train(epoch=0, lr_factor=1.0))
                 await root.broadcast(Stop("done"))
+        windows = 1 + int((time.monotonic() - began) // 10.0)  # one, unless a loaded machine took over 10 s
     assert got == [Train(epoch=0, lr_factor=1.0), Stop("done")]
     refused = [r for r in caplog.records if "refused" in r.getMessage()]
-    assert len(refused) <= 12, len(refused)  # at most 10 lines a window, then a summary
+    assert len(refused) <= 12 * windows, (len(refused), windows)  # at most 10 lines a 10 s window, a summary
     assert any("more connections" in r.getMessage() for r in refused)
 
 

@@ -210,7 +210,9 @@ def test_a_stream_that_sleeps_shows_as_data_wait() -> None:
     _train(1, 6, step_times=quick)
     _train(1, 6, step_times=slow, sleep=0.02)
     assert slow.snapshot().data_wait >= 6 * 0.02
-    assert slow.snapshot().data_wait - quick.snapshot().data_wait >= 6 * 0.02 * 0.9
+    # Sleeps are attributed to the data wait, not more: the quick stream's wait is small beside
+    # (a margin a descheduled process cannot eat, unlike a difference of 12 ms).
+    assert quick.snapshot().data_wait < slow.snapshot().data_wait / 2
     assert slow.snapshot().data_wait <= slow.snapshot().seconds
 
 
@@ -234,7 +236,7 @@ def test_a_step_boundary_checkpoint_shows_as_checkpoint() -> None:
     b = times.snapshot()
     assert boundary.written == b.steps == 4
     assert b.checkpoint >= 4 * 0.025
-    assert b.data_wait < 0.025
+    assert b.data_wait < b.checkpoint / 2  # the boundary's time is the checkpoint's, not the data's
     assert sum(b.parts().values()) <= b.seconds
 
 

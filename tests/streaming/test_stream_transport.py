@@ -442,6 +442,8 @@ async def test_acks_come_only_after_the_put_so_a_slow_sink_holds_the_producer_ba
         ):
             for seq in range(window):
                 await producer.send(tensors_for(seq))  # the window takes them at once
+            # The put of seq 0 waits for the reader from here on (the clock below starts after).
+            await eventually(lambda: sink.send.statistics().tasks_waiting_send == 1)
             with anyio.move_on_after(0.5) as blocked:
                 await producer.send(tensors_for(window))
             assert blocked.cancelled_caught  # the window is full: send() waits

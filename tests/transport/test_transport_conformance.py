@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 TOKEN = b"conformance-token"
 OTHER_TOKEN = b"another-token"
 SPEC = ModelSpec((TensorSpec("fc.weight", (10, 4), "float32"), TensorSpec("fc.bias", (10,), "float32")))
-HANDSHAKE_TIMEOUT = 2.0
+HANDSHAKE_TIMEOUT = 5.0  # 2 s let a loaded machine time out a good peer
 
 
 @pytest.fixture
@@ -340,12 +340,12 @@ async def _other_version_wrong_token(p: Protocol, port: int) -> tuple[list[Any],
 
 
 async def _silent(p: Protocol, port: int, good_peer: Callable[[], Any]) -> tuple[list[Any], str]:
+    started = time.monotonic()  # before the connection: the server's timer starts after it
     raw = await Raw.connect(p, port)
-    started = time.monotonic()
     await good_peer()  # served while the silent peer holds its connection
     assert time.monotonic() - started < HANDSHAKE_TIMEOUT, "the good peer waited for the silent one"
     replies = await raw.replies_until_closed(within=HANDSHAKE_TIMEOUT + 5)
-    assert time.monotonic() - started >= HANDSHAKE_TIMEOUT * 0.9
+    assert time.monotonic() - started >= HANDSHAKE_TIMEOUT
     return replies, "within"
 
 

@@ -139,7 +139,7 @@ async def test_restored_assignments_hold_producers_until_the_directory_then_send
     with anyio.fail_after(30):
         async with (
             SampleReceiver(
-                sinks[0], token=TOKEN, directory_assignments={"a": 1, "b": 0}, handshake_timeout=0.3
+                sinks[0], token=TOKEN, directory_assignments={"a": 1, "b": 0}, handshake_timeout=1.0
             ) as root,
             SampleReceiver(sinks[1], token=TOKEN, acknowledged={"a": 4}) as rank1,
             anyio.create_task_group() as tg,
@@ -151,7 +151,9 @@ async def test_restored_assignments_hold_producers_until_the_directory_then_send
 
             tg.start_soon(run, "a")
             tg.start_soon(run, "b")
-            await anyio.sleep(0.8)  # several hellos held and dropped meanwhile
+            # Several hellos held and dropped meanwhile (1 s handshakes: 0.3 s let a loaded machine
+            # time out an honest hello, a refusal).
+            await anyio.sleep(2.5)
             assert sinks[0].items == sinks[1].items == []
             assert root.refusals == 0  # not refused: dropped to retry, the producers do not fail
             root.set_directory([root.address, rank1.address])
@@ -175,7 +177,7 @@ async def test_with_fixed_assignments_and_indexes_each_rank_serves_its_own_at_on
                 token=TOKEN,
                 directory_assignments=assignments,
                 directory_index=0,
-                handshake_timeout=0.3,
+                handshake_timeout=1.0,
             ) as root,
             SampleReceiver(
                 sinks[1], token=TOKEN, directory_assignments=assignments, directory_index=1
@@ -185,7 +187,7 @@ async def test_with_fixed_assignments_and_indexes_each_rank_serves_its_own_at_on
             b = await produce(root.address, "b", range(4))  # its own: served at once
             assert b.receiver_address == root.address
             tg.start_soon(produce, root.address, "a", range(4))
-            await anyio.sleep(0.5)
+            await anyio.sleep(1.5)
             assert sinks[1].items == []  # "a" waits for the directory
             with pytest.raises(
                 ConfigurationError, match="own_index=1, but this receiver's directory_index is 0"

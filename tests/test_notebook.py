@@ -151,12 +151,14 @@ def test_ctrl_c_in_a_notebook_stops_at_a_step_boundary_with_a_checkpoint(tmp_pat
 def test_a_second_ctrl_c_in_a_notebook_stops_at_once() -> None:
     (x, y), _ = worker.fit_data()
     started = threading.Event()
+    began: list[float] = []  # when the stream began to wait
     first_batches = lamploop.tensor_batches(x, y, batch_size=4)
 
     def slow_start(context: lamploop.BatchContext) -> Any:
         async def stream() -> Any:
+            began.append(time.monotonic())
             started.set()
-            await anyio.sleep(5)  # no step boundary comes before both interrupts
+            await anyio.sleep(40)  # no step boundary comes before both interrupts
             async for batch in first_batches(context):
                 yield batch
 
@@ -166,7 +168,7 @@ def test_a_second_ctrl_c_in_a_notebook_stops_at_once() -> None:
         started.wait(30)
         main = threading.main_thread().ident or 0
         signal.pthread_kill(main, signal.SIGINT)  # after the step in progress...
-        time.sleep(0.2)
+        time.sleep(1.0)  # not merged with the first while it is pending, even on a loaded machine
         signal.pthread_kill(main, signal.SIGINT)  # ...no: at once
 
     kwargs: dict[str, Any] = {
@@ -177,10 +179,9 @@ def test_a_second_ctrl_c_in_a_notebook_stops_at_once() -> None:
     }
     interrupter = threading.Thread(target=interrupt_twice)
     interrupter.start()
-    began = time.monotonic()
     try:
         with pytest.raises(TrainingInterrupted, match="stopped at once by a second SIGINT"):
             in_a_running_loop(lambda: lamploop.fit(**kwargs))
     finally:
         interrupter.join(30)
-    assert time.monotonic() - began < 4.5  # the 5 s wait before the first batch was cut short
+    assert time.monotonic() - began[0] < 25  # the 40 s wait before the first batch was cut short

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import torch
 
-from lamploop.batches import BatchContext, tensor_batches
+from lamploop.batches import BatchContext, BatchStreamFactory, tensor_batches
 from lamploop.federated import AggregatorSettings, FederatedResult, TrainingPlan, mlp, run_aggregator
 from lamploop.loop import one_epoch
 from lamploop.model import SupervisedModel
@@ -199,14 +199,27 @@ def test_a_node_that_joins_during_a_round_gets_that_round(tmp_path: Path) -> Non
     approve_plan(plan, allow)
     x, y = dataset()
     training = anyio.Event()
+    late_training = anyio.Event()
 
     def slow_shard(context: BatchContext) -> BatchStream:
         async def stream() -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
             training.set()  # round 0 was sent to node-0 before node-1 exists
-            await anyio.sleep(1.0)  # node-0 trains long enough for node-1 to join
+            # node-0 trains until node-1 joined and got the round (an event, not a 1 s sleep
+            # that a loaded machine could outlast)
+            with anyio.fail_after(20):
+                await late_training.wait()
             yield x[:40], y[:40]
 
         return stream()
+
+    def late_shard(rows: slice) -> BatchStreamFactory:
+        batches = tensor_batches(x[rows], y[rows], batch_size=40, shuffle=False)
+
+        def make(context: BatchContext) -> BatchStream:
+            late_training.set()
+            return batches(context)
+
+        return make
 
     async def node(name: str, rows: slice, slow: bool) -> None:
         await run_node(
@@ -215,9 +228,7 @@ def test_a_node_that_joins_during_a_round_gets_that_round(tmp_path: Path) -> Non
             port=port,
             token=TOKEN,
             allow_list=allow,
-            train_batches=slow_shard
-            if slow
-            else tensor_batches(x[rows], y[rows], batch_size=40, shuffle=False),
+            train_batches=slow_shard if slow else late_shard(rows),
         )
 
     async def main() -> FederatedResult:

@@ -176,8 +176,7 @@ def local_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        local = tensor.to_local() if is_dtensor(tensor) else tensor
-        storage = local.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         if storage.data_ptr() in seen and storage.data_ptr() != 0:
             continue
         seen.add(storage.data_ptr())

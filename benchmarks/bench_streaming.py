@@ -78,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import make_parser, print_table, summarize, write_json
 
 import lamploop
-from lamploop.streaming import FifoBuffer, FiroBuffer, Sample, buffer_batches
+from lamploop.streaming import FifoBuffer, FiroBuffer, Sample, buffer_batches, stack_samples
 from lamploop.streaming.receiver import SampleReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,13 +201,13 @@ async def _ingest_lamploop(kind: str, count: int, floats: int, own_thread: bool,
     ):
         command = _producer_command(kind, *receiver.address, token, count, floats)
         tg.start_soon(partial(anyio.run_process, command, check=True, cwd=tempfile.gettempdir()))
+        collate = stack_samples()
         trained = 0
         while trained < count:
             batch = await buffer.get_batch(min(32, count - trained))
-            x = torch.stack([s.tensors["x"][:16] for s in batch])
-            y = torch.stack([s.tensors["y"] for s in batch])
+            x, y = collate(batch)  # what buffer_batches does with each batch
             if train:
-                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss = torch.nn.functional.cross_entropy(model(x[:, :16]), y)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

@@ -22,7 +22,7 @@ rows of this rank's shards (safetensors slices), at any world size; on a model t
 sharded (one rank) it loads full tensors: :func:`read_full` gives the whole model and
 optimizer state for an ordinary checkpoint.  This module gathers those modules' names.
 
-.. versionadded:: 0.4
+.. versionadded:: 0.3
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError, SampleMismatchError
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
+from lamploop.streaming.sample_rows import stack_rows
 from lamploop.streaming.tensor_bytes import describe_mismatch, signature_of
 
 __all__ = [
@@ -52,6 +53,9 @@ Collate = Callable[[Sequence[Sample]], Any]
 def stack_samples(features: str = "x", target: str = "y") -> Collate:
     """A collate function: ``(stack of samples' features, stack of their targets)``.
 
+    Received samples that follow each other in their frame are copied as one slice per tensor
+    (:func:`~lamploop.streaming.sample_rows.stack_rows`), equal to ``torch.stack``'s result.
+
     Raises (from the collate function):
         SampleMismatchError: a sample's tensor has another shape than the first sample's
             (it names the sample's producer and seq, the tensor and both shapes).
@@ -60,8 +64,11 @@ def stack_samples(features: str = "x", target: str = "y") -> Collate:
 
     def collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            x = torch.stack([s.tensors[features] for s in samples])
-            y = torch.stack([s.tensors[target] for s in samples])
+            rows = [s.tensors for s in samples]
+            x, y = stack_rows(rows, features), stack_rows(rows, target)
+            if x is None or y is None:  # not all of them received rows: one by one
+                x = torch.stack([row[features] for row in rows])
+                y = torch.stack([row[target] for row in rows])
         except KeyError as missing:
             keys = sorted(samples[0].tensors)
             msg = f"stack_samples: a sample has no tensor {missing}; its tensors are {keys}"

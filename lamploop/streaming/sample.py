@@ -13,11 +13,14 @@ from typing import Protocol
 import attrs
 import torch
 
+from lamploop.streaming.sample_rows import SampleRow
+
 __all__ = ["Sample", "SampleSink"]
 
 
-def _tensors(value: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return dict(value)
+def _tensors(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    # A received sample's row of its run's columns is read-only already: kept, not copied.
+    return value if type(value) is SampleRow else dict(value)
 
 
 @attrs.frozen

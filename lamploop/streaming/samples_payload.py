@@ -16,7 +16,7 @@ from the bytes it received (:func:`take_samples`), without gathering the frame f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import torch
@@ -71,7 +71,7 @@ def payload_offsets(start: int, payload: int, sizes: list[Any]) -> list[int]:
 
 def decode_samples(
     body: bytes | bytearray, start: int, sizes: list[Any]
-) -> tuple[list[dict[str, torch.Tensor]], list[Signature]]:
+) -> tuple[list[Mapping[str, torch.Tensor]], list[Signature]]:
     """Each sample's tensors in ``body[start:]`` (payloads of these ``sizes``), and their signatures."""
     offsets = payload_offsets(start, len(body) - start, sizes)
     if not isinstance(body, bytearray):
@@ -83,7 +83,7 @@ def decode_samples(
         if rows is not None:
             decoded, signature = rows
             return decoded, [signature] * len(decoded)
-    samples = []
+    samples: list[Mapping[str, torch.Tensor]] = []
     signatures = []
     address = address_of(body)
     for begin, size in zip(offsets, sizes, strict=True):
@@ -98,7 +98,7 @@ def decode_samples(
 
 def take_samples(
     take: Callable[[int], bytearray], start: int, payload: int, sizes: list[Any]
-) -> tuple[list[dict[str, torch.Tensor]], list[Signature]]:
+) -> tuple[list[Mapping[str, torch.Tensor]], list[Signature]]:
     """:func:`_decode_samples` of a payload still in the decoder's received chunks (``take``).
 
     A batch of more than one run of samples of one size, runs of 256 KiB or more, gathers each
@@ -115,7 +115,7 @@ def take_samples(
         # Runs of small samples: gathering the payload whole, then copying each run, costs less
         # than decoding each run apart (a run's fixed cost is a few tensors' worth).
         return decode_samples(take(payload), 0, sizes)
-    samples: list[dict[str, torch.Tensor]] = []
+    samples: list[Mapping[str, torch.Tensor]] = []
     signatures: list[Signature] = []
     for first in range(0, count, group):
         n = min(group, count - first)

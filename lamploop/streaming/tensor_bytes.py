@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from lamploop.errors import FrameError
+from lamploop.streaming.sample_rows import SampleRow
 
 __all__ = [
     "DTYPES",
@@ -339,13 +340,14 @@ def decode_tensors_signed(
 
 def decode_rows(
     data: bytearray, start: int, count: int, stride: int, size: int, *, group: int
-) -> tuple[list[dict[str, torch.Tensor]], Signature] | None:
+) -> tuple[list[Mapping[str, torch.Tensor]], Signature] | None:
     """The named tensors of ``count`` samples of ``size`` bytes each, at ``start``, ``start +
     stride``, ... of ``data``, decoded together when they share one header (``None`` when they
     do not, or their bytes are not aligned: decode them one by one, which also says what is wrong).
 
-    A few torch calls per tensor name make every sample's tensors (rows of one strided view),
-    instead of a few per sample.  With at most ``group`` samples, the tensors are views of
+    A few torch calls per tensor name make one strided view per name, the run's columns; each
+    sample's tensors are a :class:`~lamploop.streaming.sample_rows.SampleRow` of them (no torch
+    call per sample).  With at most ``group`` samples, the tensors are views of
     ``data``; with more, each run of ``group`` samples is copied once first, so that a sample kept
     long (in a buffer) keeps the bytes of its group alive, not those of all ``count``.
 
@@ -368,8 +370,7 @@ def decode_rows(
         return None
     if any(end == begin for _, _, _, begin, end in layout.tensors):
         return None  # an empty tensor: one by one (rare)
-    names = [entry[0] for entry in layout.tensors]
-    samples: list[dict[str, torch.Tensor]] = []
+    samples: list[Mapping[str, torch.Tensor]] = []
     view = memoryview(data)
     for first in range(0, count, group):
         n = min(group, count - first)
@@ -379,9 +380,9 @@ def decode_rows(
             begin = start + first * stride
             block = torch.frombuffer(bytearray(view[begin : begin + n * stride]), dtype=torch.uint8)
         block = block.view(n, stride)
-        columns = [
-            block[:, data_start + begin : data_start + end].view(dtype).view(n, *shape).unbind(0)
-            for _, dtype, shape, begin, end in layout.tensors
-        ]
-        samples.extend(dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True))
+        columns = {
+            name: block[:, data_start + begin : data_start + end].view(dtype).view(n, *shape)
+            for name, dtype, shape, begin, end in layout.tensors
+        }
+        samples.extend(SampleRow(columns, index) for index in range(n))
     return samples, layout.signature

@@ -53,7 +53,7 @@ device and the host waits only in lamploop's (sliced) collectives: FSDP2's own s
 
 Checkpoints of a sharded model: :mod:`lamploop.checkpoint.sharded`.
 
-.. versionadded:: 0.4
+.. versionadded:: 0.3
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Kept apart from :mod:`lamploop.sync.fsdp` because defining these imports FSDP2 a
 process that imports lamploop would pay it, though only a model that is sharded needs it.
 :meth:`~lamploop.sync.fsdp.FullyShard.shard` imports this module.
 
-.. versionadded:: 0.5
+.. versionadded:: 0.3
    split from :mod:`lamploop.sync.fsdp`.
 """
 

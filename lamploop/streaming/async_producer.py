@@ -30,7 +30,12 @@ from lamploop.errors import (
     StreamingError,
     TransportError,
 )
-from lamploop.streaming.outbox import Outbox
+from lamploop.streaming.outbox import (
+    DEFAULT_WINDOW_BYTES,
+    DEFAULT_WINDOW_FLOOR,
+    DEFAULT_WINDOW_SAMPLES,
+    Outbox,
+)
 from lamploop.streaming.producer_connection import ProducerConnectionLoop, _Signal
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -89,6 +94,8 @@ class AsyncProducer(ProducerConnectionLoop):
         token: the secret shared with the receiver.
         resend_window: unacknowledged samples kept for resending; :meth:`send` waits while
             this many are unacknowledged (back-pressure: the receiver's sink is full).
+            ``None`` (the default): up to 256 while they hold under 4 MiB, and 64 whatever
+            their size (:data:`~lamploop.streaming.outbox.DEFAULT_WINDOW_SAMPLES`).
         keep_acknowledged: acknowledged samples also kept (the last ones), so that a receiver
             restored from a checkpoint older than its acknowledgements gets them again.
         start_seq: the first sample's seq: 0, or for a restarted producer the first seq not
@@ -110,7 +117,7 @@ class AsyncProducer(ProducerConnectionLoop):
         *,
         name: str,
         token: bytes | str,
-        resend_window: int = 64,
+        resend_window: int | None = None,
         keep_acknowledged: int = 0,
         start_seq: int = 0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -127,7 +134,8 @@ class AsyncProducer(ProducerConnectionLoop):
             raise ConfigurationError(msg)
         check_int_in("port", address[1], 1, 65535)
         self._token = check_token(token)
-        check_int_in("resend_window", resend_window, 1)
+        if resend_window is not None:
+            check_int_in("resend_window", resend_window, 1)
         check_int_in("keep_acknowledged", keep_acknowledged, 0)
         check_int_in("start_seq", start_seq, 0, MAX_SEQ)
         check_int_in("max_frame_bytes", max_frame_bytes, PREAUTH_FRAME_BYTES)
@@ -140,7 +148,9 @@ class AsyncProducer(ProducerConnectionLoop):
         # The numbering and the resend window (no I/O): what is kept, sent, acknowledged.
         self._outbox = Outbox(
             name,
-            window=resend_window,
+            window=DEFAULT_WINDOW_SAMPLES if resend_window is None else resend_window,
+            window_bytes=DEFAULT_WINDOW_BYTES if resend_window is None else None,
+            window_floor=DEFAULT_WINDOW_FLOOR if resend_window is None else None,
             keep_acknowledged=keep_acknowledged,
             start_seq=start_seq,
             max_frame_bytes=max_frame_bytes,
@@ -290,7 +300,7 @@ class AsyncProducer(ProducerConnectionLoop):
                         box.keep(payloads[index], expected)
                         stop = index + 1
                     else:
-                        stop = min(len(payloads), index + box.window - box.unacknowledged)
+                        stop = index + box.fitting(payloads[index:])
                         box.keep_run(payloads[index:stop], expected)
                     self._changed.notify()
                     if on_kept is not None:

@@ -28,11 +28,29 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import islice
 
 from lamploop.errors import FrameError, StreamingError
 from lamploop.streaming.wire import MAX_SAMPLES_PER_FRAME, samples_frame, samples_frame_bytes
 
-__all__ = ["WRITE_BATCH_BYTES", "WRITE_BATCH_SAMPLES", "WRITE_MAX_BYTES", "Outbox", "frame_full"]
+__all__ = [
+    "DEFAULT_WINDOW_BYTES",
+    "DEFAULT_WINDOW_FLOOR",
+    "DEFAULT_WINDOW_SAMPLES",
+    "WRITE_BATCH_BYTES",
+    "WRITE_BATCH_SAMPLES",
+    "WRITE_MAX_BYTES",
+    "Outbox",
+    "frame_full",
+]
+
+DEFAULT_WINDOW_SAMPLES = 256
+DEFAULT_WINDOW_BYTES = 4 * 1024 * 1024
+DEFAULT_WINDOW_FLOOR = 64
+"""A producer's default resend window (``resend_window=None``): up to 256 unacknowledged
+samples while they hold under 4 MiB, and 64 whatever their size.  Small samples then travel in
+frames of a hundred or more (a frame's and an acknowledgement's fixed costs spread over them),
+while the memory kept for resending is no more than 4 MiB or 64 samples, the former default."""
 
 WRITE_BATCH_BYTES = 256 * 1024
 WRITE_BATCH_SAMPLES = 32
@@ -58,6 +76,8 @@ class Outbox:
     Args:
         name: the producer's name (it goes in every frame's header).
         window: the most unacknowledged samples kept (:meth:`has_room`).
+        window_bytes: ``None``, or the bytes of unacknowledged samples past which no more is
+            kept, unless fewer than ``window_floor`` are (default: ``window``).
         keep_acknowledged: acknowledged samples kept too (the last ones).
         start_seq: the first sample's seq.
         max_frame_bytes: the largest frame this producer makes.
@@ -74,10 +94,20 @@ class Outbox:
     """
 
     def __init__(
-        self, name: str, *, window: int, keep_acknowledged: int, start_seq: int, max_frame_bytes: int
+        self,
+        name: str,
+        *,
+        window: int,
+        keep_acknowledged: int,
+        start_seq: int,
+        max_frame_bytes: int,
+        window_bytes: int | None = None,
+        window_floor: int | None = None,
     ) -> None:
         self.name = name
         self.window = window
+        self.window_bytes = window_bytes
+        self.window_floor = window if window_floor is None else min(window_floor, window)
         self.keep_acknowledged = keep_acknowledged
         self.max_frame_bytes = max_frame_bytes
         self.receiver_limit = max_frame_bytes
@@ -90,6 +120,7 @@ class Outbox:
         self.highest_sent = start_seq - 1
         self.sent = self.resent = self.skipped = 0
         self.unsent = self.unsent_bytes = 0
+        self.pending_bytes = 0  # the bytes of the unacknowledged samples (seqs after acked)
 
     @property
     def unacknowledged(self) -> int:
@@ -106,7 +137,25 @@ class Outbox:
 
     def has_room(self) -> bool:
         """Whether the next sample may be kept now (the receiver holds it, or the window has room)."""
-        return self.next_seq <= self.acked or self.unacknowledged < self.window
+        return self.next_seq <= self.acked or self._room(self.unacknowledged, self.pending_bytes)
+
+    def _room(self, pending: int, pending_bytes: int) -> bool:
+        """Whether ``pending`` unacknowledged samples of ``pending_bytes`` leave room for one more."""
+        if pending < self.window_floor:
+            return True
+        return pending < self.window and (self.window_bytes is None or pending_bytes < self.window_bytes)
+
+    def fitting(self, payloads: Sequence[bytes]) -> int:
+        """How many of ``payloads`` (none held by the receiver) the window takes now, in order."""
+        pending, pending_bytes = self.unacknowledged, self.pending_bytes
+        count = 0
+        for payload in payloads:
+            if not self._room(pending, pending_bytes):
+                break
+            pending += 1
+            pending_bytes += len(payload)
+            count += 1
+        return count
 
     def frame_due(self) -> bool:
         """Whether a frame's worth (or half the window) was kept since a frame was last cut."""
@@ -149,6 +198,7 @@ class Outbox:
         self.next_seq += 1
         self.frames.append((seq, payload))
         self.unsent_bytes += len(payload)
+        self.pending_bytes += len(payload)
         self.unsent += 1
         return seq
 
@@ -159,7 +209,9 @@ class Outbox:
         seq = self.next_seq
         self.next_seq = seq + len(payloads)
         self.frames.extend(zip(range(seq, self.next_seq), payloads, strict=True))
-        self.unsent_bytes += sum(map(len, payloads))
+        size = sum(map(len, payloads))
+        self.unsent_bytes += size
+        self.pending_bytes += size
         self.unsent += len(payloads)
 
     def take_welcome(self, acked: int, max_frame_bytes: int, *, receiver: str) -> None:
@@ -182,6 +234,7 @@ class Outbox:
             first, last = self.frames[0][0], self.frames[-1][0]
             self.skipped += max(min(acked, last) - max(self.highest_sent + 1, first) + 1, 0)
         self.acked = acked
+        self.pending_bytes = sum(len(payload) for seq, payload in self.frames if seq > acked)
         self.receiver_limit = min(self.max_frame_bytes, max_frame_bytes)
         self.trim()
 
@@ -189,6 +242,11 @@ class Outbox:
         """The receiver holds every seq up to ``upto``; whether that is news."""
         if upto <= self.acked:
             return False
+        if self.frames:  # the newly acknowledged samples' bytes leave the window
+            first, last = self.frames[0][0], self.frames[-1][0]
+            begin, end = max(self.acked + 1, first) - first, min(upto, last) + 1 - first
+            if begin < end:
+                self.pending_bytes -= sum(len(payload) for _, payload in islice(self.frames, begin, end))
         self.acked = upto
         self.trim()
         return True

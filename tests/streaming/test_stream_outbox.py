@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from lamploop.errors import FrameError, StreamingError
-from lamploop.streaming.outbox import WRITE_BATCH_SAMPLES, Outbox, frame_full
+from lamploop.streaming.outbox import (
+    DEFAULT_WINDOW_BYTES,
+    DEFAULT_WINDOW_FLOOR,
+    DEFAULT_WINDOW_SAMPLES,
+    WRITE_BATCH_SAMPLES,
+    Outbox,
+    frame_full,
+)
 from lamploop.streaming.wire import FrameDecoder, SamplesFrame, encode_tensors
 
 PAYLOAD = encode_tensors({"x": torch.ones(2)})
@@ -121,3 +130,78 @@ def test_a_frame_is_due_once_a_batchs_worth_or_half_the_window_waits() -> None:
     assert box.frame_due()  # half the window
     box.batch(after=-1, receiver=RECEIVER)
     assert not box.frame_due()  # taken by a frame
+
+
+def _default_window(start_seq: int = 0, keep_acknowledged: int = 0) -> Outbox:
+    return Outbox(
+        "sim",
+        window=DEFAULT_WINDOW_SAMPLES,
+        window_bytes=DEFAULT_WINDOW_BYTES,
+        window_floor=DEFAULT_WINDOW_FLOOR,
+        keep_acknowledged=keep_acknowledged,
+        start_seq=start_seq,
+        max_frame_bytes=64 << 20,
+    )
+
+
+def _kept_until_full(box: Outbox, size: int) -> int:
+    kept = 0
+    while box.has_room():
+        box.keep(b"\0" * size)
+        kept += 1
+    return kept
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (1024, 256),  # small samples: the window's 256
+        (32 * 1024, 128),  # 4 MiB of them
+        (64 * 1024, 64),
+        (1 << 20, 64),  # large ones: the floor, the former default
+    ],
+)
+def test_the_default_window_holds_256_samples_under_4_mib_and_64_whatever_their_size(
+    size: int, expected: int
+) -> None:
+    box = _default_window()
+    assert _kept_until_full(box, size) == expected
+    assert box.pending_bytes == expected * size
+    assert box.acknowledge(9)  # ten leave the window: room for ten more
+    assert box.pending_bytes == (expected - 10) * size
+    assert _kept_until_full(box, size) == 10
+
+
+def test_the_windows_bytes_follow_acks_welcomes_and_runs_as_a_recount_does() -> None:
+    """pending_bytes, kept step by step, equals the bytes of the kept samples after the acked
+    seq counted afresh, through keeps, runs, acks, a receiver restored from an older state and
+    samples the receiver held already."""
+    rng = random.Random(3)
+    box = _default_window(start_seq=10, keep_acknowledged=5)
+    box.take_welcome(14, 1 << 20, receiver=RECEIVER)  # the receiver holds 10..14 already
+    for step in range(400):
+        move = rng.random()
+        if move < 0.4 and box.has_room():
+            box.keep(b"\0" * rng.randrange(1, 70_000))
+        elif move < 0.6 and box.has_room():
+            payloads = [b"\0" * rng.randrange(1, 40_000) for _ in range(rng.randrange(1, 9))]
+            if box.next_seq > box.acked:
+                box.keep_run(payloads[: box.fitting(payloads)])
+        elif move < 0.9:
+            box.acknowledge(rng.randrange(box.acked, max(box.next_seq, box.acked + 1)))
+        elif box.frames:  # reconnected to a receiver that holds a little less (within what is kept)
+            box.take_welcome(max(box.lowest_kept - 1, box.acked - 2), 1 << 20, receiver=RECEIVER)
+        recount = sum(len(payload) for seq, payload in box.frames if seq > box.acked)
+        assert box.pending_bytes == recount, step
+        assert box.unacknowledged <= DEFAULT_WINDOW_SAMPLES
+
+
+def test_fitting_counts_what_keep_would_take_one_by_one() -> None:
+    box = _default_window()
+    _kept_until_full(box, 60_000)  # 64, the floor
+    assert box.fitting([b"\0"] * 10) == 0
+    box.acknowledge(box.acked + 3)
+    assert box.fitting([b"\0" * 60_000] * 10) == 3
+    box.acknowledge(box.next_seq - 1)
+    sizes = [1_000_000, 1_000_000, 3_000_000, 10, 10]
+    assert box.fitting([b"\0" * n for n in sizes]) == 5  # fewer than 64 kept: the floor lets them in

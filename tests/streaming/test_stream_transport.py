@@ -432,6 +432,46 @@ async def test_samples_arrive_in_order_with_their_tensors_bitwise() -> None:
     assert stats.duplicates == stats.refusals == 0
 
 
+@pytest.mark.parametrize(("floats", "window"), [(256, 256), (8192, 128), (65536, 64)])
+async def test_the_default_window_holds_256_small_samples_4_mib_of_larger_ones_and_64_of_large_ones(
+    floats: int, window: int
+) -> None:
+    """A receiver whose sink takes nothing: ``send`` waits once the default window is full, at
+    256 samples of 1 KiB, 128 of 32 KiB (4 MiB) and 64 of 256 KiB, and nothing is acknowledged."""
+    sink = StreamSink(0)  # put() waits until the test reads the sample: nothing is acknowledged
+    x = torch.zeros(floats)
+    with anyio.fail_after(40), contextlib.closing(sink):
+        async with (
+            SampleReceiver(sink, token=TOKEN) as receiver,
+            AsyncProducer(receiver.address, name="sim", token=TOKEN) as producer,
+        ):
+            for _ in range(window):
+                await producer.send({"x": x})  # the window takes them at once
+            await eventually(lambda: sink.send.statistics().tasks_waiting_send == 1)
+            with anyio.move_on_after(0.5) as blocked:
+                await producer.send({"x": x})
+            assert blocked.cancelled_caught  # full: send() waits
+            assert producer.unacknowledged == window
+            assert producer.acknowledged_seq == -1
+            for seq in range(3):  # three taken: room for three more, not four
+                assert (await sink.receive.receive()).seq == seq
+            await eventually(lambda: producer.acknowledged_seq == 2)
+            for _ in range(3):
+                with anyio.fail_after(5):
+                    await producer.send({"x": x})
+            with anyio.move_on_after(0.5) as blocked:
+                await producer.send({"x": x})
+            assert blocked.cancelled_caught  # the cancelled sends took nothing
+
+            async def drain() -> None:
+                seqs = [(await sink.receive.receive()).seq for _ in range(window)]
+                assert seqs == list(range(3, window + 3))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain)
+                await producer.done()
+
+
 async def test_acks_come_only_after_the_put_so_a_slow_sink_holds_the_producer_back() -> None:
     sink = StreamSink(0)  # put() waits until the test reads the sample
     window = 4

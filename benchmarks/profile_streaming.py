@@ -3,7 +3,7 @@
 For each producer (``BlockingProducer``, ``AsyncProducer``) and sample size (1 KiB and
 64 KiB of float32 plus a scalar label), a producer process sends N samples to a
 ``SampleReceiver`` in this process, whose FIFO buffer a consumer drains in batches of 32
-(``get_batch`` and a ``torch.stack`` of each tensor, what ``buffer_batches``' collate does;
+(``get_batch`` and ``stack_samples``, what ``buffer_batches``' collate does;
 no model).  Each case runs ``--repeats`` times plainly, then once under cProfile:
 
 1. **plain**: each process's CPU time (``time.process_time``, every thread) over the stream,
@@ -217,8 +217,10 @@ def run_case(kind: str, floats: int, count: int, profiled: bool, own_thread: boo
     import anyio
     import torch
 
-    from lamploop.streaming import FifoBuffer
+    from lamploop.streaming import FifoBuffer, stack_samples
     from lamploop.streaming.receiver import SampleReceiver
+
+    collate = stack_samples()  # buffer_batches' default
 
     torch.set_num_threads(1)
     first: list[float] = []
@@ -242,8 +244,7 @@ def run_case(kind: str, floats: int, count: int, profiled: bool, own_thread: boo
         drawn = 0
         while drawn < count:
             batch = await buffer.get_batch(min(32, count - drawn))
-            torch.stack([sample.tensors["x"] for sample in batch])
-            torch.stack([sample.tensors["y"] for sample in batch])
+            collate(batch)
             drawn += len(batch)
 
     async def main(scratch: str) -> dict[str, Any]:

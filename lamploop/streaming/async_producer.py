@@ -94,8 +94,8 @@ class AsyncProducer(ProducerConnectionLoop):
         token: the secret shared with the receiver.
         resend_window: unacknowledged samples kept for resending; :meth:`send` waits while
             this many are unacknowledged (back-pressure: the receiver's sink is full).
-            ``None`` (the default): up to 256 while they hold under 4 MiB, and 64 whatever
-            their size (:data:`~lamploop.streaming.outbox.DEFAULT_WINDOW_SAMPLES`).
+            ``None`` (the default): up to 256 that hold at most 4 MiB together, and 64
+            whatever their size (:data:`~lamploop.streaming.outbox.DEFAULT_WINDOW_SAMPLES`).
         keep_acknowledged: acknowledged samples also kept (the last ones), so that a receiver
             restored from a checkpoint older than its acknowledgements gets them again.
         start_seq: the first sample's seq: 0, or for a restarted producer the first seq not
@@ -225,16 +225,17 @@ class AsyncProducer(ProducerConnectionLoop):
         # caller makes the next one, instead of both waiting in turn for a full window.  Only
         # then is send() a checkpoint (a cancellation point): anyio's checkpoints cost more than
         # the rest of a send (and while the writer sends, yielding to it would gain nothing).
-        if self._queued == 0 and self._outbox.has_room() and self._writer_due():
+        size = len(payload)
+        if self._queued == 0 and self._outbox.has_room(size) and self._writer_due():
             await anyio.lowlevel.checkpoint()  # cancelled here, the sample is not taken
             self._check_open("send()")
-        if self._queued == 0 and self._outbox.has_room():
+        if self._queued == 0 and self._outbox.has_room(size):
             return self._keep(payload, expected_seq)
         self._queued += 1  # no sender overtakes this one by the path above
         try:
             async with self._send_lock:
                 with self._sup.waiting():
-                    while not self._outbox.has_room():
+                    while not self._outbox.has_room(size):
                         self._sup.raise_failure()
                         await self._changed.wait()
                 self._check_open("send()")
@@ -289,9 +290,9 @@ class AsyncProducer(ProducerConnectionLoop):
                 box = self._outbox
                 first = box.next_seq
                 while index < len(payloads):
-                    if not box.has_room():
+                    if not box.has_room(len(payloads[index])):
                         with self._sup.waiting():
-                            while not box.has_room():
+                            while not box.has_room(len(payloads[index])):
                                 self._sup.raise_failure()
                                 await self._changed.wait()
                         self._check_open("send()")

@@ -48,9 +48,10 @@ DEFAULT_WINDOW_SAMPLES = 256
 DEFAULT_WINDOW_BYTES = 4 * 1024 * 1024
 DEFAULT_WINDOW_FLOOR = 64
 """A producer's default resend window (``resend_window=None``): up to 256 unacknowledged
-samples while they hold under 4 MiB, and 64 whatever their size.  Small samples then travel in
-frames of a hundred or more (a frame's and an acknowledgement's fixed costs spread over them),
-while the memory kept for resending is no more than 4 MiB or 64 samples, the former default."""
+samples that hold at most 4 MiB together, and 64 whatever their size.  Small samples then
+travel in frames of a hundred or more (a frame's and an acknowledgement's fixed costs spread
+over them), while the memory kept for resending is no more than 4 MiB or 64 samples, the
+former default."""
 
 WRITE_BATCH_BYTES = 256 * 1024
 WRITE_BATCH_SAMPLES = 32
@@ -76,8 +77,8 @@ class Outbox:
     Args:
         name: the producer's name (it goes in every frame's header).
         window: the most unacknowledged samples kept (:meth:`has_room`).
-        window_bytes: ``None``, or the bytes of unacknowledged samples past which no more is
-            kept, unless fewer than ``window_floor`` are (default: ``window``).
+        window_bytes: ``None``, or the most bytes the unacknowledged samples hold together,
+            except that ``window_floor`` of them are always kept (default: ``window``).
         keep_acknowledged: acknowledged samples kept too (the last ones).
         start_seq: the first sample's seq.
         max_frame_bytes: the largest frame this producer makes.
@@ -135,22 +136,26 @@ class Outbox:
         """The lowest seq still kept (:attr:`next_seq` when none is)."""
         return self.frames[0][0] if self.frames else self.next_seq
 
-    def has_room(self) -> bool:
-        """Whether the next sample may be kept now (the receiver holds it, or the window has room)."""
-        return self.next_seq <= self.acked or self._room(self.unacknowledged, self.pending_bytes)
+    def has_room(self, size: int = 0) -> bool:
+        """Whether the next sample, of ``size`` bytes, may be kept now (the receiver holds it,
+        or the window has room for it)."""
+        return self.next_seq <= self.acked or self._room(self.unacknowledged, self.pending_bytes, size)
 
-    def _room(self, pending: int, pending_bytes: int) -> bool:
-        """Whether ``pending`` unacknowledged samples of ``pending_bytes`` leave room for one more."""
+    def _room(self, pending: int, pending_bytes: int, size: int) -> bool:
+        """Whether ``pending`` unacknowledged samples of ``pending_bytes`` leave room for one
+        more of ``size`` bytes."""
         if pending < self.window_floor:
             return True
-        return pending < self.window and (self.window_bytes is None or pending_bytes < self.window_bytes)
+        if self.window_bytes is not None and pending_bytes + size > self.window_bytes:
+            return False
+        return pending < self.window
 
     def fitting(self, payloads: Sequence[bytes]) -> int:
         """How many of ``payloads`` (none held by the receiver) the window takes now, in order."""
         pending, pending_bytes = self.unacknowledged, self.pending_bytes
         count = 0
         for payload in payloads:
-            if not self._room(pending, pending_bytes):
+            if not self._room(pending, pending_bytes, len(payload)):
                 break
             pending += 1
             pending_bytes += len(payload)

@@ -3,7 +3,7 @@
 :class:`AsyncProducer` numbers the samples it is given (seq 0, 1, 2, ... from
 ``start_seq``), keeps each until the receiver acknowledges it, and holds the caller back
 (``send`` waits) when its resend window is full: ``resend_window`` samples unacknowledged,
-or by default 256 while they hold under 4 MiB, and 64 whatever their size.  When the connection
+or by default up to 256 that hold at most 4 MiB together, and 64 whatever their size.  When the connection
 drops it reconnects with backoff, and the receiver's Welcome says which seq it holds up
 to: everything after it is resent, in order.  :class:`BlockingProducer` is the same for
 plain (synchronous) simulation codes: it runs an event loop on a thread of its own

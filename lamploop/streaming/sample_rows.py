@@ -4,7 +4,9 @@ made from such rows by slicing the columns instead of stacking the samples one b
 A run of samples of one kind (one safetensors header) is decoded into one tensor per name, the
 *columns*, whose first dimension is the sample (:func:`~lamploop.streaming.tensor_bytes.decode_rows`).
 Each sample's tensors are then a :class:`SampleRow`: the columns and its index, an immutable
-``Mapping[str, torch.Tensor]`` whose ``row["x"]`` is ``columns["x"][index]``.  Making a row is
+``Mapping[str, torch.Tensor]`` whose ``row["x"]`` is ``columns["x"][index]``; a sample decoded
+alone (a frame of samples of several kinds) is the one row of columns of its own
+(:func:`single_row`), so every received sample's tensors are a ``SampleRow``.  Making a row is
 one small object, where a dict of tensor views was one torch view per tensor and sample; and a
 batch of rows that follow each other in one run (a FIFO buffer's usual read) is one slice per
 tensor name, copied once (:func:`stack_rows`), where ``torch.stack`` took one tensor per sample.
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SampleRow", "stack_rows"]
+__all__ = ["SampleRow", "single_row", "stack_rows"]
 
 
 class SampleRow(Mapping[str, torch.Tensor]):
@@ -50,6 +52,11 @@ class SampleRow(Mapping[str, torch.Tensor]):
     def __repr__(self) -> str:
         shapes = {name: tuple(column.shape[1:]) for name, column in self.columns.items()}
         return f"SampleRow(index={self.index}, shapes={shapes})"
+
+
+def single_row(tensors: Mapping[str, torch.Tensor]) -> SampleRow:
+    """``tensors`` (a sample decoded alone) as the one row of columns of its own (views)."""
+    return SampleRow({name: tensor.unsqueeze(0) for name, tensor in tensors.items()}, 0)
 
 
 def stack_rows(rows: Sequence[Any], name: str) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from typing import Any, Final
 import torch
 
 from lamploop.errors import FrameError
+from lamploop.streaming.sample_rows import single_row
 from lamploop.streaming.tensor_bytes import Signature, address_of, decode_rows, decode_tensors_signed
 
 __all__ = ["MAX_SAMPLES_PER_FRAME", "RUN_TAKEN_BYTES", "decode_samples", "payload_offsets", "take_samples"]
@@ -76,7 +77,7 @@ def decode_samples(
     offsets = payload_offsets(start, len(body) - start, sizes)
     if not isinstance(body, bytearray):
         body = bytearray(body)  # the tensors need memory of their own
-    if len(sizes) > 1 and sizes.count(sizes[0]) == len(sizes):  # the usual frame: samples of one kind
+    if sizes.count(sizes[0]) == len(sizes):  # the usual frame: samples of one kind
         stride = sizes[0] + (-sizes[0] % _ALIGN)
         group = max(_GROUP_SAMPLES, _GROUP_BYTES // max(stride, 1))
         rows = decode_rows(body, start, len(sizes), stride, sizes[0], group=group)
@@ -91,7 +92,7 @@ def decode_samples(
             tensors, signature = decode_tensors_signed(bytearray(body[begin : begin + size]))
         else:
             tensors, signature = decode_tensors_signed(body, begin, begin + size, address=address)
-        samples.append(tensors)
+        samples.append(single_row(tensors))
         signatures.append(signature)
     return samples, signatures
 
@@ -128,6 +129,6 @@ def take_samples(
         address = address_of(run)
         for begin in range(0, n * stride, stride):
             tensors, signature = decode_tensors_signed(run, begin, begin + size, address=address)
-            samples.append(tensors)
+            samples.append(single_row(tensors))
             signatures.append(signature)
     return samples, signatures

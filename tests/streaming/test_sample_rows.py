@@ -137,3 +137,23 @@ def test_a_missing_tensor_or_rows_of_another_shape_are_named_as_for_dict_samples
     with pytest.raises(SampleMismatchError, match="seq 4 of producer 'sim'") as caught:
         stack_samples()(samples + other)
     assert (caught.value.shape, caught.value.expected_shape) == ((5, 2), (6, 2))
+
+
+def test_a_sample_alone_in_its_frame_or_among_samples_of_other_kinds_is_a_row_too() -> None:
+    """Decoded one by one (a frame of one sample; a frame whose samples differ in kind), each
+    sample's tensors are still a read-only SampleRow equal to safetensors' decoding, and
+    stack_samples stacks them."""
+    alone = _sent(0, 1)
+    mixed = [*_sent(10, 2), *_sent(20, 2, floats=3)]
+    for sent in (alone, mixed):
+        samples = _received("sim", 0, sent)
+        for sample, expected in zip(samples, _reference(sent), strict=True):
+            assert type(sample.tensors) is SampleRow
+            with pytest.raises(TypeError):
+                sample.tensors["x"] = torch.zeros(1)  # type: ignore[index]
+            for name in ("x", "y"):
+                assert torch.equal(sample.tensors[name], expected[name])
+    x, y = stack_samples()(_received("sim", 0, mixed)[2:])
+    expected_x, expected_y = _stacked(_reference(mixed)[2:])
+    assert torch.equal(x, expected_x)
+    assert torch.equal(y, expected_y)

@@ -107,7 +107,8 @@ async def test_leaving_the_block_hands_over_what_waits_and_flush_does_it_at_once
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, produce)
                 await eventually(lambda: len(sink.items) == 3)  # while the block is still open
-                assert in_block.is_set()
+                # flush() returned (the samples may arrive before the thread's next line runs)
+                assert await anyio.to_thread.run_sync(in_block.wait, 10)
                 leave.set()
             await receiver.wait_all_done()
     check(sink.items, 8)

@@ -146,7 +146,7 @@ def _default_window(start_seq: int = 0, keep_acknowledged: int = 0) -> Outbox:
 
 def _kept_until_full(box: Outbox, size: int) -> int:
     kept = 0
-    while box.has_room():
+    while box.has_room(size):
         box.keep(b"\0" * size)
         kept += 1
     return kept
@@ -156,12 +156,13 @@ def _kept_until_full(box: Outbox, size: int) -> int:
     ("size", "expected"),
     [
         (1024, 256),  # small samples: the window's 256
-        (32 * 1024, 128),  # 4 MiB of them
+        (32 * 1024, 128),  # 4 MiB of them, exactly
+        (32 * 1024 + 1, 127),  # one more would be over 4 MiB
         (64 * 1024, 64),
         (1 << 20, 64),  # large ones: the floor, the former default
     ],
 )
-def test_the_default_window_holds_256_samples_under_4_mib_and_64_whatever_their_size(
+def test_the_default_window_holds_256_samples_of_at_most_4_mib_and_64_whatever_their_size(
     size: int, expected: int
 ) -> None:
     box = _default_window()
@@ -181,8 +182,8 @@ def test_the_windows_bytes_follow_acks_welcomes_and_runs_as_a_recount_does() -> 
     box.take_welcome(14, 1 << 20, receiver=RECEIVER)  # the receiver holds 10..14 already
     for step in range(400):
         move = rng.random()
-        if move < 0.4 and box.has_room():
-            box.keep(b"\0" * rng.randrange(1, 70_000))
+        if move < 0.4 and box.has_room(size := rng.randrange(1, 70_000)):
+            box.keep(b"\0" * size)
         elif move < 0.6 and box.has_room():
             payloads = [b"\0" * rng.randrange(1, 40_000) for _ in range(rng.randrange(1, 9))]
             if box.next_seq > box.acked:
@@ -198,10 +199,11 @@ def test_the_windows_bytes_follow_acks_welcomes_and_runs_as_a_recount_does() -> 
 
 def test_fitting_counts_what_keep_would_take_one_by_one() -> None:
     box = _default_window()
-    _kept_until_full(box, 60_000)  # 64, the floor
+    assert _kept_until_full(box, 70_000) == 64  # the floor: 64 of them are over 4 MiB
     assert box.fitting([b"\0"] * 10) == 0
     box.acknowledge(box.acked + 3)
-    assert box.fitting([b"\0" * 60_000] * 10) == 3
+    assert box.fitting([b"\0" * 70_000] * 10) == 3
+    assert box.has_room(70_000)
     box.acknowledge(box.next_seq - 1)
     sizes = [1_000_000, 1_000_000, 3_000_000, 10, 10]
     assert box.fitting([b"\0" * n for n in sizes]) == 5  # fewer than 64 kept: the floor lets them in

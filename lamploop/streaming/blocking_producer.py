@@ -44,8 +44,9 @@ of them was sent."""
 BLOCKING_AHEAD = 4 * HANDOVER_SAMPLES
 BLOCKING_AHEAD_BYTES = 4 * HANDOVER_BYTES
 """A :class:`BlockingProducer`'s :meth:`~BlockingProducer.send` waits while this many samples
-(or bytes: 4 MiB) sent on the caller's thread are not kept by the producer yet (its resend
-window is full): with the window, they bound the memory a simulation's samples take."""
+(or, with the next one, more than this many bytes: 4 MiB) sent on the caller's thread are not
+kept by the producer yet (its resend window is full): with the window, they bound the memory a
+simulation's samples take."""
 
 _WAIT_SLICE_S = 0.05
 """The longest single wait of a blocking producer's caller for its event loop (a failure is noticed

@@ -77,8 +77,8 @@ class Outbox:
     Args:
         name: the producer's name (it goes in every frame's header).
         window: the most unacknowledged samples kept (:meth:`has_room`).
-        window_bytes: ``None``, or the most bytes the unacknowledged samples hold together,
-            except that ``window_floor`` of them are always kept (default: ``window``).
+        window_bytes: ``None``, or the most bytes the unacknowledged samples hold together...
+        window_floor: ...except that this many are always kept (default: ``window``).
         keep_acknowledged: acknowledged samples kept too (the last ones).
         start_seq: the first sample's seq.
         max_frame_bytes: the largest frame this producer makes.

@@ -3,13 +3,13 @@
 :class:`AsyncProducer` numbers the samples it is given (seq 0, 1, 2, ... from
 ``start_seq``), keeps each until the receiver acknowledges it, and holds the caller back
 (``send`` waits) when its resend window is full: ``resend_window`` samples unacknowledged,
-or by default up to 256 that hold at most 4 MiB together, and 64 whatever their size.  When the connection
-drops it reconnects with backoff, and the receiver's Welcome says which seq it holds up
-to: everything after it is resent, in order.  :class:`BlockingProducer` is the same for
-plain (synchronous) simulation codes: it runs an event loop on a thread of its own
-(:func:`anyio.from_thread.start_blocking_portal`), to which the caller's thread hands its
-samples a chunk at a time.  Samples sent in a row leave in batches (one ``"samples"`` frame
-of up to 32 samples or 2 MiB, within the receiver's frame limit).
+or by default up to 256 that hold at most 4 MiB together, and 64 whatever their size.
+When the connection drops it reconnects with backoff, and the receiver's Welcome says which
+seq it holds up to: everything after it is resent, in order.  :class:`BlockingProducer` is
+the same for plain (synchronous) simulation codes: it runs an event loop on a thread of its
+own (:func:`anyio.from_thread.start_blocking_portal`), to which the caller's thread hands its
+samples a chunk at a time.  Samples sent in a row leave in batches (one ``"samples"`` frame,
+cut once it holds 256 KiB and 32 samples, or 2 MiB, within the receiver's frame limit).
 
 A producer knows one address.  When the trainer has several ranks, the receiver there may
 answer with a :class:`~lamploop.streaming.wire.Redirect` to the rank's receiver assigned to

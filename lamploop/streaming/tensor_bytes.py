@@ -19,10 +19,12 @@ tensor; anything else is a :class:`~lamploop.errors.FrameError`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -230,6 +232,16 @@ class _Layout:
     data_bytes: int  # what the tensors cover, exactly
     self_aligned: bool  # every tensor's offset is a multiple of its dtype's size
     signature: Signature  # made once per layout: samples of one header share the same object
+    strides: tuple[tuple[int, ...], ...]  # each tensor's contiguous strides (elements), for decode_rows
+
+
+def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 _LAYOUTS: dict[bytes, _Layout] = {}
@@ -264,7 +276,8 @@ def _layout(text: bytes) -> _Layout:
     signature = tuple(
         sorted(((name, dtype, tuple(shape)) for name, dtype, shape, _, _ in entries), key=lambda e: e[0])
     )
-    layout = _Layout(tuple(entries), covered, aligned, signature)
+    strides = tuple(_contiguous_strides(shape) for _, _, shape, _, _ in entries)
+    layout = _Layout(tuple(entries), covered, aligned, signature, strides)
     if len(_LAYOUTS) >= _MAX_LAYOUTS:
         _LAYOUTS.clear()
     _LAYOUTS[text] = layout
@@ -273,7 +286,7 @@ def _layout(text: bytes) -> _Layout:
 
 def address_of(data: bytearray) -> int:
     """The address of ``data``'s first byte (0 when empty): for :func:`decode_tensors`' ``address``."""
-    return torch.frombuffer(data, dtype=torch.uint8).data_ptr() if data else 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
 
 
 def decode_tensors(
@@ -345,7 +358,7 @@ def decode_rows(
     stride``, ... of ``data``, decoded together when they share one header (``None`` when they
     do not, or their bytes are not aligned: decode them one by one, which also says what is wrong).
 
-    A few torch calls per tensor name make one strided view per name, the run's columns; each
+    Two torch calls per tensor name make one strided view per name, the run's columns; each
     sample's tensors are a :class:`~lamploop.streaming.sample_rows.SampleRow` of them (no torch
     call per sample).  With at most ``group`` samples, the tensors are views of
     ``data``; with more, each run of ``group`` samples is copied once first, so that a sample kept
@@ -362,8 +375,7 @@ def decode_rows(
         return None
     if count * stride > len(data) - start or address_of(data) % _ALIGN:
         return None
-    rows = np.frombuffer(data, dtype=np.uint8, count=count * stride, offset=start).reshape(count, stride)
-    if count > 1 and not (rows[1:, :data_start] == rows[0, :data_start]).all():
+    if not _same_headers(data, start, count, stride, data_start):
         return None  # samples of several kinds: one by one
     layout = _layout(bytes(data[start + _LENGTH.size : start + data_start]))
     if layout.data_bytes != size - data_start or not layout.self_aligned:
@@ -375,14 +387,36 @@ def decode_rows(
     for first in range(0, count, group):
         n = min(group, count - first)
         if count <= group:
-            block = torch.frombuffer(data, dtype=torch.uint8, count=count * stride, offset=start)
+            block, offset = data, start
         else:  # copied by Python (torch's copy of a large block would wake its thread pool)
             begin = start + first * stride
-            block = torch.frombuffer(bytearray(view[begin : begin + n * stride]), dtype=torch.uint8)
-        block = block.view(n, stride)
-        columns = {
-            name: block[:, data_start + begin : data_start + end].view(dtype).view(n, *shape)
-            for name, dtype, shape, begin, end in layout.tensors
-        }
-        samples.extend(SampleRow(columns, index) for index in range(n))
+            block, offset = bytearray(view[begin : begin + n * stride]), 0
+        columns = {}
+        for (name, dtype, shape, begin, _end), strides in zip(layout.tensors, layout.strides, strict=True):
+            itemsize = dtype.itemsize
+            # The run's bytes as this dtype (so that its storage is the run, as a sample holds),
+            # then each sample's bytes of this tensor, ``stride`` apart: (sample, *shape).
+            flat = torch.frombuffer(block, dtype=dtype, count=n * stride // itemsize, offset=offset)
+            columns[name] = flat.as_strided(
+                (n, *shape), (stride // itemsize, *strides), (data_start + begin) // itemsize
+            )
+        samples.extend(map(SampleRow, repeat(columns, n), range(n)))
     return samples, layout.signature
+
+
+_HEADERS_BY_NUMPY: Final = 16
+"""From this many samples on, their headers are compared by one numpy call, not one by one."""
+
+
+def _same_headers(data: bytearray, start: int, count: int, stride: int, header: int) -> bool:
+    """Whether the ``count`` samples at ``start``, ``start + stride``, ... begin with the same
+    ``header`` bytes (length and JSON)."""
+    if count == 1:
+        return True
+    if count < _HEADERS_BY_NUMPY:
+        first = data[start : start + header]
+        return all(
+            data[at : at + header] == first for at in range(start + stride, start + count * stride, stride)
+        )
+    rows = np.frombuffer(data, dtype=np.uint8, count=count * stride, offset=start).reshape(count, stride)
+    return bool((rows[1:, :header] == rows[0, :header]).all())

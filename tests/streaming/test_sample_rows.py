@@ -18,7 +18,7 @@ from safetensors.torch import load
 from lamploop.errors import ConfigurationError, SampleMismatchError
 from lamploop.streaming import Sample, stack_samples
 from lamploop.streaming.sample_rows import SampleRow, stack_rows
-from lamploop.streaming.tensor_bytes import encode_tensors
+from lamploop.streaming.tensor_bytes import DTYPES, encode_tensors
 from lamploop.streaming.wire import SamplesFrame, decode_body, encode_frame
 
 
@@ -157,3 +157,49 @@ def test_a_sample_alone_in_its_frame_or_among_samples_of_other_kinds_is_a_row_to
     expected_x, expected_y = _stacked(_reference(mixed)[2:])
     assert torch.equal(x, expected_x)
     assert torch.equal(y, expected_y)
+
+
+def _every_dtype(seed: int) -> dict[str, torch.Tensor]:
+    """A sample with a tensor of every dtype the codec knows, of several ranks (a scalar, 1-D,
+    3-D), so that the columns' strides and offsets are checked for each item size."""
+    generator = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (64,), generator=generator, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: list[tuple[int, ...]] = [(), (3,), (2, 1, 3)]
+    for i, (name, dtype) in enumerate(sorted(DTYPES.items())):
+        shape = shapes[i % len(shapes)]
+        count = max(1, torch.Size(shape).numel())
+        raw = bits[: count * dtype.itemsize].clone()
+        if dtype == torch.bool:
+            raw = raw % 2
+        tensors[name.lower()] = raw.view(dtype).reshape(shape)
+    return tensors
+
+
+@pytest.mark.parametrize("count", [1, 3, 15, 16, 40])
+def test_rows_of_every_dtype_and_rank_equal_safetensors_decoding_bitwise(count: int) -> None:
+    # 15 and 16 samples: the two ways a run's headers are compared; 40 samples of about 200
+    # bytes: a frame decoded in several copied runs.
+    sent = [_every_dtype(seed) for seed in range(count)]
+    received = _received("sim", 0, sent)
+    if count > 1:  # decoded together: rows of one run's columns, not samples decoded one by one
+        assert received[0].tensors.columns is received[1].tensors.columns  # type: ignore[attr-defined]
+    for sample, expected in zip(received, _reference(sent), strict=True):
+        row = sample.tensors
+        assert type(row) is SampleRow
+        assert row.keys() == expected.keys()
+        for name, tensor in expected.items():
+            ours = row[name]
+            assert (ours.dtype, ours.shape) == (tensor.dtype, tensor.shape), name
+            assert torch.equal(ours.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("count", [3, 20])
+def test_samples_of_one_size_but_different_headers_are_not_decoded_as_one_run(count: int) -> None:
+    # float32 and int32 tensors of one shape: the same sizes, headers that differ in one byte.
+    sent = [{"x": torch.arange(4, dtype=torch.float32 if i % 2 else torch.int32) + i} for i in range(count)]
+    assert len({len(encode_tensors(tensors)) for tensors in sent}) == 1
+    received = _received("sim", 0, sent)
+    for sample, expected in zip(received, _reference(sent), strict=True):
+        assert sample.tensors["x"].dtype == expected["x"].dtype
+        assert torch.equal(sample.tensors["x"], expected["x"])

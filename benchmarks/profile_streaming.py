@@ -63,15 +63,19 @@ def _rule(stage: str, file: str, *names: str) -> Rule:
 
 PRODUCER_RULES = [
     _rule("encode", "tensor_bytes.py"),
-    _rule("frame", "producer.py", "_batch"),
-    _rule("frame", "wire.py", "samples_frame", "_header", "_frame", "samples_frame_bytes"),
-    _rule("acks", "producer.py", "_read", "_take_welcome"),
+    _rule("frame", "outbox.py", "batch", "batch_parts", "record_sent", "frame_full"),
+    _rule("frame", "wire.py", "samples_frame", "samples_frame_parts", "_samples_body", "_header", "_frame"),
+    _rule("frame", "wire.py", "samples_frame_bytes"),
+    _rule("frame", "frames.py", "frame", "frame_parts"),
+    _rule("acks", "producer_connection.py", "_read"),
+    _rule("acks", "outbox.py", "acknowledge", "take_welcome", "trim"),
     _rule("acks", "selector_events.py", "_read_ready", "_read_ready__data_received"),
-    _rule("send", "producer.py", "_write", "_send"),
+    _rule("send", "producer_connection.py", "_write", "_send"),
+    _rule("send", "scatter.py"),
     _rule("send", "selector_events.py", "_write_ready", "write", "_write_send"),
     _rule(
         "hand over",
-        "producer.py",
+        "producer.py",  # async_producer.py and blocking_producer.py
         "send",
         "send_many",
         "_submit",
@@ -84,6 +88,7 @@ PRODUCER_RULES = [
         "_set_wake",
         "flush",
     ),
+    _rule("hand over", "outbox.py"),  # keep, keep_run, has_room, fitting, check_size, ...
     _rule("hand over", "from_thread.py"),
     _rule("hand over", "futures/_base.py"),  # the portal's futures
 ]

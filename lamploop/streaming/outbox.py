@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from itertools import islice
 
 from lamploop.errors import FrameError, StreamingError
-from lamploop.streaming.wire import MAX_SAMPLES_PER_FRAME, samples_frame, samples_frame_bytes
+from lamploop.streaming.wire import MAX_SAMPLES_PER_FRAME, samples_frame_bytes, samples_frame_parts
 
 __all__ = [
     "DEFAULT_WINDOW_BYTES",
@@ -273,6 +273,16 @@ class Outbox:
         Raises:
             StreamingError: a sample is over the receiver's limit (under this producer's).
         """
+        batch = self.batch_parts(after, receiver=receiver)
+        return None if batch is None else (batch[0], b"".join(batch[1]))
+
+    def batch_parts(self, after: int, *, receiver: str) -> tuple[int, list[bytes]] | None:
+        """:meth:`batch`'s frame as parts whose concatenation is its bytes, the large samples
+        not copied (:func:`~lamploop.streaming.wire.samples_frame_parts`).
+
+        Raises:
+            StreamingError: as :meth:`batch`.
+        """
         if not self.frames:
             return None
         first = self.frames[0][0]
@@ -295,11 +305,13 @@ class Outbox:
         self.unsent_bytes = max(self.unsent_bytes - size, 0)
         self.unsent = max(self.unsent - len(payloads), 0)
         try:
-            frame = samples_frame(self.name, first + start, payloads, max_frame_bytes=self.receiver_limit)
+            parts = samples_frame_parts(
+                self.name, first + start, payloads, max_frame_bytes=self.receiver_limit
+            )
         except FrameError as exc:  # one sample over the receiver's limit (under ours: keep() took it)
             msg = f"producer {self.name!r}: sample {first + start} cannot be sent to {receiver}: {exc}"
             raise StreamingError(msg) from exc
-        return len(payloads), frame
+        return len(payloads), parts
 
     def record_sent(self, after: int, count: int) -> int:
         """A frame of ``count`` samples after seq ``after`` went out; the last seq sent now."""

@@ -221,16 +221,16 @@ class ProducerConnectionLoop:
             while True:
                 box = self._outbox
                 session.sent = max(session.sent, box.acked)
-                batch = box.batch(session.sent, receiver=self._receiver)
+                batch = box.batch_parts(session.sent, receiver=self._receiver)
                 if batch is not None:
-                    count, frame = batch
+                    count, parts = batch
                     stuck.deadline = anyio.current_time() + self._ack_timeout
-                    await self._send(conn, frame)
+                    await self._send(conn, parts)
                     session.sent = box.record_sent(session.sent, count)
                     continue
                 if self._done_requested and not session.done_sent and session.sent >= box.next_seq - 1:
                     stuck.deadline = anyio.current_time() + self._ack_timeout
-                    await self._send(conn, encode_frame(Done(box.next_seq - 1)))
+                    await self._send(conn, [encode_frame(Done(box.next_seq - 1))])
                     session.done_sent = True
                 stuck.deadline = math.inf
                 self._writer_idle = True
@@ -240,9 +240,9 @@ class ProducerConnectionLoop:
                     self._writer_idle = False
         raise ConnectionLost(f"sending to {self._receiver} took over {self._ack_timeout:g} s")
 
-    async def _send(self, conn: FramedStream, data: bytes) -> None:
+    async def _send(self, conn: FramedStream, parts: list[bytes]) -> None:
         try:
-            await conn.send(data)
+            await conn.send_frame_parts(parts)
         except TransportError as exc:
             raise ConnectionLost(str(exc)) from exc
 

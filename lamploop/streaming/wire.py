@@ -131,6 +131,7 @@ __all__ = [
     "sample_frame",
     "samples_frame",
     "samples_frame_bytes",
+    "samples_frame_parts",
 ]
 
 logger = logging.getLogger("lamploop.streaming")
@@ -179,6 +180,27 @@ def samples_frame(
         FrameError: no payload or more than :data:`MAX_SAMPLES_PER_FRAME`, or the frame would
             be over ``max_frame_bytes``.
     """
+    return _frame(_samples_body(producer, first_seq, payloads), "samples", max_frame_bytes)
+
+
+def samples_frame_parts(
+    producer: str,
+    first_seq: int,
+    payloads: Sequence[bytes],
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> list[bytes]:
+    """:func:`samples_frame` as parts whose concatenation is its bytes, large payloads not
+    copied (:func:`~lamploop.transport.frames.frame_parts`), for
+    :meth:`~lamploop.transport.connection.FramedConnection.send_parts`.
+
+    Raises:
+        FrameError: as :func:`samples_frame`.
+    """
+    return frames.frame_parts(_samples_body(producer, first_seq, payloads), "samples", max_frame_bytes)
+
+
+def _samples_body(producer: str, first_seq: int, payloads: Sequence[bytes]) -> list[bytes]:
     if not 1 <= len(payloads) <= MAX_SAMPLES_PER_FRAME:
         msg = f"a samples frame holds 1 to {MAX_SAMPLES_PER_FRAME} samples, got {len(payloads)}"
         raise FrameError(msg)
@@ -188,7 +210,7 @@ def samples_frame(
         parts.append(payload)
         if len(payload) % _ALIGN:
             parts.append(_PADDING[: -len(payload) % _ALIGN])
-    return _frame(parts, "samples", max_frame_bytes)
+    return parts
 
 
 def sample_frame(
@@ -366,6 +388,10 @@ class FramedStream(FramedConnection[tuple[Message, int]]):
     async def send(self, data: bytes) -> None:
         """Send encoded frames; raises StreamingError."""
         await self.send_bytes(data)
+
+    async def send_frame_parts(self, parts: Sequence[bytes]) -> None:
+        """Send one frame given as parts (:func:`samples_frame_parts`); raises StreamingError."""
+        await self.send_parts(parts)
 
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream; raises StreamingError / FrameError."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, Generic, TypeVar
 
 import anyio
@@ -25,6 +25,7 @@ from anyio.abc import SocketAttribute
 
 from lamploop.errors import TransportError
 from lamploop.transport.frames import FrameDecoder
+from lamploop.transport.scatter import scatter_transport, write_parts
 
 __all__ = [
     "GOODBYE_TIMEOUT",
@@ -143,6 +144,23 @@ class FramedConnection(Generic[Item]):
         except TRANSPORT_ERRORS as exc:
             msg = f"sending to {self.peer} failed: {explain(exc)}"
             raise self._error(msg) from exc
+
+    async def send_parts(self, parts: Sequence[bytes]) -> None:
+        """Send an encoded frame given as parts (:func:`~lamploop.transport.frames.frame_parts`),
+        their large ones not copied again on a plain TCP stream (:mod:`lamploop.transport.scatter`);
+        on another stream (TLS), joined and sent.  One task sends on a connection.
+
+        Raises:
+            TransportError: (the ``error`` class) the connection failed.
+        """
+        transport = scatter_transport(self.stream) if len(parts) > 1 else None
+        if transport is None:
+            await self.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
+            return
+        write_parts(transport, parts)
+        # As the stream's own send after its write: the connection's failure raised, and the
+        # wait while the transport holds more than its limit of unsent bytes.
+        await self.send_bytes(b"")
 
     async def receive_item(self) -> Item | None:
         """The next decoded item, or ``None`` at a clean end of stream (between frames).

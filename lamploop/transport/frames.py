@@ -34,7 +34,9 @@ __all__ = [
     "HEADER_BYTES",
     "PREAUTH_FRAME_BYTES",
     "FrameDecoder",
+    "SCATTER_BYTES",
     "frame",
+    "frame_parts",
     "preauth_frame_bytes",
 ]
 
@@ -48,6 +50,11 @@ PREAUTH_FRAME_BYTES = 4096
 hundred bytes), on every protocol.  The control channel's hello carries the model spec, so its
 limit grows with the spec (:func:`preauth_frame_bytes`).  Read at each connection: a change
 here takes effect in all three protocols."""
+
+SCATTER_BYTES: Final = 16 * 1024
+"""A part of a frame this large is sent as it is by :func:`frame_parts`' caller (one copy
+fewer); smaller neighbouring parts are joined (a part costs the socket a buffer, and joining a
+few small ones costs less)."""
 
 _LENGTH = struct.Struct(">I")
 
@@ -72,6 +79,34 @@ def frame(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> bytes
         msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
         raise FrameError(msg)
     return b"".join((_LENGTH.pack(length), *body_parts))
+
+
+def frame_parts(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> list[bytes]:
+    """The frame of a body made of ``body_parts``, as parts whose concatenation is
+    :func:`frame`'s bytes: each part of :data:`SCATTER_BYTES` or more as it is (not copied),
+    each stretch of smaller ones between them joined, the length prefix with the first.
+
+    Raises:
+        FrameError: as :func:`frame`.
+    """
+    length = sum(len(part) for part in body_parts)
+    if length > max_frame_bytes:
+        msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
+        raise FrameError(msg)
+    parts: list[bytes] = []
+    small: list[bytes] = [_LENGTH.pack(length)]
+    for part in body_parts:
+        if len(part) < SCATTER_BYTES:
+            if part:
+                small.append(part)
+            continue
+        if small:
+            parts.append(small[0] if len(small) == 1 else b"".join(small))
+            small = []
+        parts.append(part)
+    if small:
+        parts.append(small[0] if len(small) == 1 else b"".join(small))
+    return parts
 
 
 class FrameDecoder(Generic[Item]):

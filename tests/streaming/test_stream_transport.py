@@ -39,6 +39,7 @@ from lamploop.errors import (
 from lamploop.streaming.producer import AsyncProducer, BlockingProducer
 from lamploop.streaming.receiver import SampleReceiver
 from lamploop.streaming.sample import Sample
+from lamploop.streaming.tensor_bytes import DTYPES
 from lamploop.streaming.wire import (
     PROTOCOL_VERSION,
     Ack,
@@ -217,6 +218,41 @@ def test_the_tensor_codec_reads_and_writes_what_the_reference_safetensors_does()
     decoded = decode_tensors(shifted)["d"]
     assert decoded.data_ptr() % 8 == 0
     assert torch.equal(decoded, torch.arange(4.0, dtype=torch.float64))
+
+
+def test_the_encoder_writes_the_values_of_lazy_views_and_every_dtype_as_safetensors_does() -> None:
+    # The encoder copies a tensor's memory: a conjugate or negative view (whose memory is not
+    # its values yet), a strided or expanded view, an offset slice and every dtype must come out
+    # as safetensors' own encoder writes their values (from a materialised copy).
+    complex_values = torch.complex(torch.arange(6.0), -torch.arange(6.0))
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {
+        "conj": complex_values.conj(),
+        "neg": complex_values.conj().imag,  # a real tensor with the negative bit set
+        "strided": base[:, ::2],
+        "expanded": torch.arange(3.0).expand(4, 3),
+        "offset": base.reshape(-1)[5:17],
+        "scalar": torch.tensor(7, dtype=torch.int16),
+    }
+    assert tensors["conj"].is_conj()
+    assert tensors["neg"].is_neg()
+    generator = torch.Generator().manual_seed(0)
+    for name, dtype in DTYPES.items():
+        raw = torch.randint(0, 256, (2, 3 * dtype.itemsize), generator=generator, dtype=torch.uint8)
+        tensors[f"dtype_{name}"] = raw.view(dtype)
+    ours = safetensors.torch.load(encode_tensors(tensors))
+    reference = safetensors.torch.load(
+        safetensors.torch.save(
+            {name: t.resolve_conj().resolve_neg().contiguous() for name, t in tensors.items()}
+        )
+    )
+    assert ours.keys() == reference.keys()
+    for name, expected in reference.items():
+        assert (ours[name].dtype, ours[name].shape) == (expected.dtype, expected.shape), name
+        assert (
+            ours[name].reshape(-1).view(torch.uint8).tolist()
+            == expected.reshape(-1).view(torch.uint8).tolist()
+        ), name
 
 
 def _body(header: dict[str, Any], payload: bytes = b"") -> bytes:

@@ -478,15 +478,18 @@ CHILD = "--child-measure"
 
 def _child(spec: str) -> None:
     """One measurement (``kind,floats,count`` or ``train,live|thread|memory,steps``), printed as JSON;
-    a kind ending in ``-thread``, and ``train,thread``: the receiver on a thread of its own."""
+    a kind with ``-thread``, and ``train,thread``: the receiver on a thread of its own; with
+    ``-drained``: drained without a model."""
     kind, first, second = spec.split(",")
     if kind == "train":
         result: Any = train_steps(first != "memory", int(second), 1, own_thread=first == "thread")
     elif kind == "raw":
         result = ingest_raw(int(second), int(first))
     else:
-        producer, _, thread = kind.partition("-")
-        result = ingest_lamploop(producer, int(second), int(first), own_thread=thread == "thread")
+        producer, *options = kind.split("-")
+        result = ingest_lamploop(
+            producer, int(second), int(first), own_thread="thread" in options, train="drained" not in options
+        )
     print(json.dumps(result), flush=True)
 
 

@@ -132,6 +132,15 @@ def fit_once(nranks: int) -> BaseException | None:
 # -- threads: every rank's view -------------------------------------------------------------
 
 
+THREAD_RANKS_HEARTBEAT_TIMEOUT_S = 10.0
+"""The control channels' heartbeat timeout of :func:`threads_once`'s ranks.  Its ranks are
+threads of one process: their event loops, their training threads and the test's share one
+GIL, which ranks in processes of their own never do.  With 3 of them and 2 busy processes on 2
+cores, a rank's loop once went 4 s (the default timeout) without a turn (CI, 2026-11-28): a
+liveness verdict on this harness, not the collective error these runs are about.  Liveness
+under load is tested with ranks in processes (tests/distributed/test_liveness_defaults.py)."""
+
+
 def threads_once(
     nranks: int,
     *,
@@ -139,10 +148,13 @@ def threads_once(
     settings: Mapping[str, Any] | None = None,
     root_settings: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
+    heartbeat_timeout: float = THREAD_RANKS_HEARTBEAT_TIMEOUT_S,
 ) -> list[BaseException | None]:
     """One run of ``nranks`` ranks, each on a thread with its own event loop; every rank's error.
 
-    ``settings`` go to every rank's driver, ``root_settings`` to the root's alone.
+    ``settings`` go to every rank's driver, ``root_settings`` to the root's alone;
+    ``heartbeat_timeout`` to every rank's control channel (see
+    :data:`THREAD_RANKS_HEARTBEAT_TIMEOUT_S`).
     """
     every = dict(settings or {})
     token = secrets.token_hex(16)
@@ -153,7 +165,11 @@ def threads_once(
 
     async def root() -> None:
         async with TcpControlRoot(
-            nranks=nranks, token=token, model_spec=spec, join_timeout=timeout
+            nranks=nranks,
+            token=token,
+            model_spec=spec,
+            join_timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout,
         ) as control:
             address.append(control.address)
             listening.set()
@@ -173,7 +189,13 @@ def threads_once(
     async def follower(rank: int) -> None:
         host, port = address[0]
         async with TcpControlFollower(
-            host=host, port=port, rank=rank, nranks=nranks, token=token, model_spec=spec
+            host=host,
+            port=port,
+            rank=rank,
+            nranks=nranks,
+            token=token,
+            model_spec=spec,
+            heartbeat_timeout=heartbeat_timeout,
         ) as control:
             await lamploop.follow_distributed_training(
                 rank=rank,

@@ -157,7 +157,11 @@ class FramedConnection(Generic[Item]):
         if transport is None:
             await self.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
             return
-        write_parts(transport, parts)
+        try:
+            write_parts(transport, parts)
+        except OSError as exc:
+            msg = f"sending to {self.peer} failed: {explain(exc)}"
+            raise self._error(msg) from exc
         # As the stream's own send after its write: the connection's failure raised, and the
         # wait while the transport holds more than its limit of unsent bytes.
         await self.send_bytes(b"")

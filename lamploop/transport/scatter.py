@@ -3,10 +3,11 @@
 A batch of large samples is a few large parts (each sample's encoded tensors) and small ones
 (headers, padding): joining them into one ``bytes`` copies every sample once more before the
 socket copies it again.  :func:`write_parts` hands the parts to the socket itself, in one
-``sendmsg`` (scatter/gather I/O) where the event loop's transport lets it, and what the socket
-does not take at once to the transport's own buffer, so that the transport's flow control and
-errors hold as for a plain write.  Python 3.12's socket transports do this in ``writelines``
-already; on 3.11 (whose ``writelines`` joins) it is done here, through the transport's socket.
+``sendmsg`` (scatter/gather I/O) where the event loop's transport lets it (asyncio's selector
+transport, on a platform with ``sendmsg``), and what the socket does not take at once to the
+transport's own buffer, so that the transport's flow control and errors hold as for a plain
+write.  (Python 3.11's ``writelines`` joins the parts; 3.12's uses ``sendmsg`` but, before a fix
+in later patch releases, skipped the transport's flow control: neither is used.)
 
 .. versionadded:: 0.3
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
+from asyncio import selector_events
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, cast
 
 import anyio.abc
 
@@ -25,28 +26,35 @@ __all__ = ["scatter_transport", "write_parts"]
 
 _MAX_BUFFERS: Final = 512
 """The most parts given to one ``sendmsg`` (the system's limit, IOV_MAX, is 1024 on Linux)."""
+_HAS_SENDMSG: Final = hasattr(socket.socket, "sendmsg")  # not on Windows
+_SELECTOR_SOCKET_TRANSPORT: Final[type] = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+"""asyncio's socket transport of its selector event loops (private; its ``_sock`` is the socket)."""
 
 
 def scatter_transport(stream: anyio.abc.ByteStream) -> asyncio.WriteTransport | None:
-    """The asyncio transport of ``stream``, anyio's plain TCP stream on asyncio, when
-    :func:`write_parts` can write to it; ``None`` otherwise (TLS, another backend): join the
-    parts and send them."""
+    """The asyncio transport of ``stream``, anyio's plain TCP stream on asyncio's selector event
+    loop, when :func:`write_parts` can write to its socket; ``None`` otherwise (TLS, a proactor
+    or uvloop transport, a platform without ``sendmsg``, another backend): join the parts and
+    send them."""
     transport = getattr(stream, "_transport", None)
-    if not isinstance(transport, asyncio.WriteTransport) or transport.is_closing():
+    if not _HAS_SENDMSG or not isinstance(transport, _SELECTOR_SOCKET_TRANSPORT):
         return None
-    if sys.version_info < (3, 12) and not isinstance(getattr(transport, "_sock", None), socket.socket):
-        return None  # not a selector socket transport: no socket to scatter to
-    return transport
+    selector_transport = cast("asyncio.WriteTransport", transport)
+    if selector_transport.is_closing() or not isinstance(getattr(transport, "_sock", None), socket.socket):
+        return None
+    return selector_transport
 
 
 def write_parts(transport: asyncio.WriteTransport, parts: Sequence[bytes]) -> None:
-    """Hand ``parts`` to ``transport``, in order, as one write of their concatenation would,
-    without joining them where the socket takes them at once (see the module)."""
-    if sys.version_info >= (3, 12):  # pragma: no cover (this project's CI runs 3.11)
-        transport.writelines(parts)  # sendmsg, keeping views of the parts
-        return
+    """Hand ``parts`` to ``transport`` (from :func:`scatter_transport`), in order, as one write of
+    their concatenation would, without joining them where the socket takes them at once (see
+    the module).
+
+    Raises:
+        OSError: the socket failed (nothing more is written; the caller drops the connection).
+    """
     sock: socket.socket = transport._sock  # type: ignore[attr-defined]
-    rest = list(parts)
+    rest: list[bytes | memoryview] = list(parts)
     if transport.get_write_buffer_size() == 0:  # else the parts queue behind what waits
         while rest:
             buffers = rest[:_MAX_BUFFERS]
@@ -54,8 +62,6 @@ def write_parts(transport: asyncio.WriteTransport, parts: Sequence[bytes]) -> No
                 sent = sock.sendmsg(buffers)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
-                break  # the transport's own write below meets the error and reports it
             if sent == sum(len(part) for part in buffers):
                 del rest[: len(buffers)]
                 continue
@@ -63,7 +69,9 @@ def write_parts(transport: asyncio.WriteTransport, parts: Sequence[bytes]) -> No
             while sent >= len(rest[taken]):
                 sent -= len(rest[taken])
                 taken += 1
-            rest = [memoryview(rest[taken])[sent:], *rest[taken + 1 :]]  # type: ignore[list-item]
+            rest = [memoryview(rest[taken])[sent:], *rest[taken + 1 :]]
             break
     for part in rest:
+        if transport.is_closing():  # a write failed: the stream's send raises its error
+            break
         transport.write(part)

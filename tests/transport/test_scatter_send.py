@@ -11,6 +11,7 @@ test in tests/streaming/test_stream_transport.py covers that path end to end.)
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import threading
@@ -161,8 +162,15 @@ async def test_a_frame_sent_while_bytes_wait_in_the_transport_queues_behind_them
     assert received[0] == expected
 
 
-async def test_a_peer_gone_raises_the_transport_error_and_does_not_hang() -> None:
-    parts = frames.frame_parts(_parts(4, 20, 1 << 20), "test", 1 << 30)
+async def test_a_peer_gone_raises_the_transport_error_and_does_not_hang(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Many small parts between the large ones: once the connection is reset, no part may be
+    # handed to the dead transport (asyncio logs a warning for each write after the fifth).
+    parts = frames.frame_parts(
+        [part for _ in range(20) for part in (bytes(20_000), bytes(20_000), b"x" * 8)], "test", 1 << 30
+    )
+    assert len(parts) > 40
     async with _pair() as (connection, peer):
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         peer.close()  # a reset: the next writes fail
@@ -173,5 +181,9 @@ async def test_a_peer_gone_raises_the_transport_error_and_does_not_hang() -> Non
                     await connection.send_parts(parts)
                     await anyio.sleep(0.01)
 
-        with pytest.raises(TransportError, match="sending to the reader failed"):
+        with (
+            caplog.at_level(logging.WARNING, logger="asyncio"),
+            pytest.raises(TransportError, match=r"sending to the reader failed: .*(Reset|Broken)"),
+        ):
             await send_until_it_fails()
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]

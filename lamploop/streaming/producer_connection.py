@@ -242,7 +242,7 @@ class ProducerConnectionLoop:
 
     async def _send(self, conn: FramedStream, parts: list[bytes]) -> None:
         try:
-            await conn.send_frame_parts(parts)
+            await conn.send_parts(parts)
         except TransportError as exc:
             raise ConnectionLost(str(exc)) from exc
 

@@ -389,10 +389,6 @@ class FramedStream(FramedConnection[tuple[Message, int]]):
         """Send encoded frames; raises StreamingError."""
         await self.send_bytes(data)
 
-    async def send_frame_parts(self, parts: Sequence[bytes]) -> None:
-        """Send one frame given as parts (:func:`samples_frame_parts`); raises StreamingError."""
-        await self.send_parts(parts)
-
     async def receive(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream; raises StreamingError / FrameError."""
         item = await self.receive_item()

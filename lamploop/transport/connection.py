@@ -142,8 +142,10 @@ class FramedConnection(Generic[Item]):
         try:
             await self.stream.send(data)
         except TRANSPORT_ERRORS as exc:
-            msg = f"sending to {self.peer} failed: {explain(exc)}"
-            raise self._error(msg) from exc
+            raise self._send_failed(exc) from exc
+
+    def _send_failed(self, exc: BaseException) -> TransportError:
+        return self._error(f"sending to {self.peer} failed: {explain(exc)}")
 
     async def send_parts(self, parts: Sequence[bytes]) -> None:
         """Send an encoded frame given as parts (:func:`~lamploop.transport.frames.frame_parts`),
@@ -160,8 +162,7 @@ class FramedConnection(Generic[Item]):
         try:
             write_parts(transport, parts)
         except OSError as exc:
-            msg = f"sending to {self.peer} failed: {explain(exc)}"
-            raise self._error(msg) from exc
+            raise self._send_failed(exc) from exc
         # As the stream's own send after its write: the connection's failure raised, and the
         # wait while the transport holds more than its limit of unsent bytes.
         await self.send_bytes(b"")

@@ -68,17 +68,22 @@ def preauth_frame_bytes(max_frame_bytes: int, *, hello_bytes: int = 0, floor_fac
     return min(max_frame_bytes, max(PREAUTH_FRAME_BYTES * floor_factor, 2 * hello_bytes))
 
 
+def _prefix(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> bytes:
+    """The length prefix of a body made of ``body_parts``; FrameError if over ``max_frame_bytes``."""
+    length = sum(len(part) for part in body_parts)
+    if length > max_frame_bytes:
+        msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
+        raise FrameError(msg)
+    return _LENGTH.pack(length)
+
+
 def frame(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> bytes:
     """The frame of a body made of ``body_parts`` (joined once, after the length prefix).
 
     Raises:
         FrameError: the body is longer than ``max_frame_bytes`` (``what`` names the message).
     """
-    length = sum(len(part) for part in body_parts)
-    if length > max_frame_bytes:
-        msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
-        raise FrameError(msg)
-    return b"".join((_LENGTH.pack(length), *body_parts))
+    return b"".join((_prefix(body_parts, what, max_frame_bytes), *body_parts))
 
 
 def frame_parts(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) -> list[bytes]:
@@ -89,12 +94,8 @@ def frame_parts(body_parts: Sequence[bytes], what: str, max_frame_bytes: int) ->
     Raises:
         FrameError: as :func:`frame`.
     """
-    length = sum(len(part) for part in body_parts)
-    if length > max_frame_bytes:
-        msg = f"a {what} frame of {length} bytes is over the limit of {max_frame_bytes} bytes"
-        raise FrameError(msg)
     parts: list[bytes] = []
-    small: list[bytes] = [_LENGTH.pack(length)]
+    small: list[bytes] = [_prefix(body_parts, what, max_frame_bytes)]
     for part in body_parts:
         if len(part) < SCATTER_BYTES:
             if part:

@@ -297,11 +297,13 @@ def run_references(rundir: Path, jobs: list[dict[str, Any]], timeout: float = 24
     """Run ``jobs`` in two worker processes (a real 2-rank Gloo group), every wait bounded; ``rundir``."""
     import subprocess
 
+    from workers import warm_start
+
     rundir.mkdir(parents=True, exist_ok=True)
     (rundir / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen(
+        warm_start.popen(
             [sys.executable, __file__, str(rundir), str(rank)],
             env=env,
             stdout=subprocess.PIPE,

@@ -29,6 +29,7 @@ from support import WORKERS, free_port
 from torch import nn
 from workers import fsdp_fit as fit_worker
 from workers import fsdp_rank as worker
+from workers import warm_start
 
 import lamploop
 from lamploop.checkpoint import load_checkpoint, verify_checkpoint
@@ -71,12 +72,12 @@ def _case_name(case: dict[str, Any]) -> str:
     )
 
 
-def _start(rundir: Path, nranks: int, jobs: list[dict[str, Any]]) -> list[subprocess.Popen[bytes]]:
+def _start(rundir: Path, nranks: int, jobs: list[dict[str, Any]]) -> list[Any]:
     rundir.mkdir(parents=True, exist_ok=True)
     (rundir / "jobs.json").write_text(json.dumps({"port": free_port(), "jobs": jobs}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
     return [
-        subprocess.Popen(
+        warm_start.popen(
             [sys.executable, str(WORKER), str(rundir), str(rank), str(nranks)],
             env=env,
             stdout=subprocess.PIPE,
@@ -86,7 +87,7 @@ def _start(rundir: Path, nranks: int, jobs: list[dict[str, Any]]) -> list[subpro
     ]
 
 
-def _finish(runs: list[tuple[Path, list[subprocess.Popen[bytes]]]], timeout: float = 180.0) -> None:
+def _finish(runs: list[tuple[Path, list[Any]]], timeout: float = 180.0) -> None:
     """Wait for every process of ``runs`` (bounded), kill what is left, fail with a rank's traceback."""
     deadline = time.monotonic() + timeout
     outputs: dict[tuple[Path, int], str] = {}
@@ -457,13 +458,13 @@ def test_prepare_rebuilds_the_optimizer_over_the_shards_with_its_state() -> None
 FIT_WORKER = WORKERS / "fsdp_fit.py"
 
 
-def _fit(out: Path, **config: Any) -> subprocess.Popen[bytes]:
+def _fit(out: Path, **config: Any) -> Any:
     """``fit`` as rank 0 of ``config["world_size"]`` in a process of its own (it starts the others)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FIT_WORKER.parents[2])}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         env.pop(name, None)  # rank 0 without a launcher: fit launches its followers
-    return subprocess.Popen(
+    return warm_start.popen(
         [sys.executable, str(FIT_WORKER), str(out), json.dumps(config)],
         env=env,
         stdout=subprocess.PIPE,
@@ -471,7 +472,7 @@ def _fit(out: Path, **config: Any) -> subprocess.Popen[bytes]:
     )
 
 
-def _first_fits(root: Path) -> list[tuple[Path, list[subprocess.Popen[bytes]]]]:
+def _first_fits(root: Path) -> list[tuple[Path, list[Any]]]:
     """all_reduce and fsdp through fit for 3 epochs (started by :func:`runs`, beside its runs)."""
     return [
         (root / "all_reduce", [_fit(root / "all_reduce", strategy="all_reduce", world_size=2, max_epochs=3)]),
@@ -500,7 +501,7 @@ def fit_runs(runs: tuple[Path, Path, Path]) -> Path:
     return runs[2]
 
 
-def _second_fits(root: Path) -> list[tuple[Path, list[subprocess.Popen[bytes]]]]:
+def _second_fits(root: Path) -> list[tuple[Path, list[Any]]]:
     """The runs that resume from the fsdp fit's checkpoints (see :func:`fit_runs`)."""
     for copy in ("ck3", "ck1"):  # the run as it was after epoch 2
         shutil.copytree(

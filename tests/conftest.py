@@ -11,6 +11,8 @@ SIGKILLs, test_multinode's namespaces) run in the parallel phase.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import settings
 
@@ -18,6 +20,12 @@ from hypothesis import settings
 # workers on two cores) can miss it without any bug; the suite's time bounds are pytest-timeout's.
 settings.register_profile("lamploop", deadline=None)
 settings.load_profile("lamploop")
+
+# One OpenMP thread per process, set before this process or any it starts imports torch: the
+# suite runs three workers and their ranks on two cores, where more threads only contend; and
+# with more, `import torch` starts an OpenMP thread, and the warm server that forks the tests'
+# workers (tests/workers/warm_server.py) forks only while it has one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SERIAL_MODULES = frozenset(
     {

@@ -27,6 +27,7 @@ import anyio
 import pytest
 import torch
 from torch.optim.lr_scheduler import StepLR
+from workers import warm_start
 
 import lamploop
 import lamploop.streaming
@@ -527,6 +528,7 @@ def test_lamploop_streaming_imports_after_a_control_frame_was_decoded() -> None:
         'wire.decode_body(bytearray(b\'{"type":"refuse","reason":"x"}\'))\n'
         "import lamploop.streaming\n"
     )
+    # A fresh interpreter, not a warm worker (tests/workers/warm_start.py): the import order is the point.
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-1500:]
 
@@ -843,7 +845,7 @@ def test_a_local_run_refuses_profile_as_the_docs_say(tmp_path: Path) -> None:
 
     (Found here: it wrote rank 0's trace only, and a window cut short crashed torch's export.)
     """
-    done = subprocess.run(
+    done = warm_start.run(
         [sys.executable, str(WORKERS / "acceptance_profile_local.py"), str(tmp_path), "2"],
         capture_output=True,
         text=True,

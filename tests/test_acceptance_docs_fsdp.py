@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from support import ROOT, WORKERS, free_port
 from workers import acceptance_fsdp as data
+from workers import warm_start
 
 import lamploop
 from lamploop.checkpoint import Checkpointer, load_checkpoint, save_checkpoint, verify_checkpoint
@@ -141,7 +142,7 @@ class Launched:
     """A worker process started now, its output in a file, waited for (bounded) when needed."""
 
     arguments: list[str]
-    process: subprocess.Popen[bytes]
+    process: Any  # a subprocess.Popen or a warm_start.WarmProcess
     log: Path
     out: Path
 
@@ -169,14 +170,14 @@ def _launch(out: Path, *arguments: str) -> Launched:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("LAMPLOOP_")}
     log = out.parent / f"{out.name}.log"
     command = [arguments[0], str(out), *arguments[1:]]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(WORKER), *command],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=environment,
-        )
+    log.write_bytes(b"")
+    process = warm_start.popen(
+        [sys.executable, str(WORKER), *command],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=environment,
+    )
     return Launched(command, process, log, out)
 
 

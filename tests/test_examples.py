@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from workers import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", ["two_processes.py", "digits_epochs.py"])
 def test_example_program_runs(script: str, tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = warm_start.run(
         [sys.executable, str(ROOT / "examples" / script)],
         cwd=tmp_path,
         # Tiny models: one intra-op thread is fastest, and immune to a busy second core.

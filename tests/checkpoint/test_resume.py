@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 from support import WORKERS
+from workers import warm_start
 
 import lamploop
 
@@ -19,7 +19,7 @@ WORKER = WORKERS / "resume.py"
 
 
 def _run(*args: str) -> None:
-    result = subprocess.run(
+    result = warm_start.run(
         [sys.executable, str(WORKER), *args],
         capture_output=True,
         text=True,

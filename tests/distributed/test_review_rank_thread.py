@@ -8,7 +8,6 @@ wait is bounded.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from workers import warm_start
 
 from lamploop.distributed.worker import open_rank_thread
 from lamploop.errors import DistributedError
@@ -196,7 +196,7 @@ def test_a_two_rank_fit_that_ends_inside_a_profile_window_writes_each_ranks_trac
     script = tmp_path / "fit_two_ranks.py"
     script.write_text(FIT_TWO_RANKS)
     out = tmp_path / "traces"
-    done = subprocess.run(
+    done = warm_start.run(
         [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert done.returncode == 0, f"the run ended with {done.returncode}: {done.stderr[-400:]}"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support import ROOT
+from workers import warm_start
 
 ROOT = ROOT
 
@@ -17,7 +17,7 @@ ROOT = ROOT
 @pytest.mark.timeout(100)
 def test_the_federated_digits_example_runs(tmp_path: Path) -> None:
     script = ROOT / "examples" / "federated_digits" / "run.py"
-    result = subprocess.run(
+    result = warm_start.run(
         [sys.executable, str(script), "--out", str(tmp_path), "--rounds", "3"],
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         capture_output=True,

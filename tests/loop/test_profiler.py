@@ -21,6 +21,7 @@ import anyio
 import pytest
 import torch
 from support import ROOT, free_port
+from workers import warm_start
 
 import lamploop
 from lamploop import SupervisedModel, one_epoch
@@ -138,7 +139,7 @@ def test_two_gloo_ranks_each_write_their_trace_and_measure_their_waits(tmp_path:
     """
     port, script = free_port(), str(ROOT / "tests/workers/profile_rank.py")
     ranks = [
-        subprocess.Popen(
+        warm_start.popen(
             [sys.executable, script, str(rank), "2", str(port), str(tmp_path), "--data-sleep", str(sleep)],
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -23,6 +23,7 @@ import anyio
 import pytest
 import torch
 from support import ROOT, free_port
+from workers import warm_start
 
 import lamploop
 from lamploop.errors import NonFiniteLossError, TrainingInterrupted
@@ -256,7 +257,7 @@ def test_fit_shows_one_line_per_epoch_without_any_logging_set_up(tmp_path: Path)
         )
         """
     )
-    done = subprocess.run(
+    done = warm_start.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     lines = done.stderr.splitlines()

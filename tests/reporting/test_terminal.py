@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support import stopped_by
+from workers import warm_start
 
 from lamploop.cli import EXIT_INTERRUPTED
 
@@ -179,7 +180,7 @@ def test_fit_shows_progress_bars_by_default_on_a_terminal_and_lines_in_a_pipe(tm
     assert "━".encode() in term.output  # rich's bar, with no reporter asked for
     screen = _screen(term.output)
     assert [line.split(":")[0] for line in screen if line.startswith("epoch ")] == ["epoch 0", "epoch 1"]
-    piped = subprocess.run(
+    piped = warm_start.run(
         [sys.executable, "-c", FIT_SCRIPT], cwd=tmp_path, capture_output=True, timeout=100, check=True
     )
     assert b"\x1b" not in piped.stderr

@@ -35,6 +35,7 @@ import anyio.abc
 import pytest
 import torch
 from support import WORKERS, wait_until
+from workers import warm_start
 
 import lamploop
 from lamploop.errors import (
@@ -714,7 +715,7 @@ def test_sigterm_stops_a_run_waiting_for_samples_with_the_receiver_on_its_thread
     comes while samples flow, the receiver's puts waiting on a full buffer)."""
     script = str(WORKERS / "acceptance_stream_trainer.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
+    process = warm_start.popen(
         [sys.executable, script, str(tmp_path), mode],
         env=env,
         stdout=subprocess.PIPE,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support import ROOT
+from workers import warm_start
 
 ROOT = ROOT
 EXAMPLE = ROOT / "examples" / "streaming_heat"
@@ -46,7 +47,7 @@ def test_the_streaming_example_trains_two_ranks_on_every_simulated_sample(tmp_pa
         str(tmp_path / "run"),
     ]
     try:
-        done = subprocess.run(
+        done = warm_start.run(
             command,
             capture_output=True,
             text=True,

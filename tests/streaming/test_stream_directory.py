@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ import attrs
 import pytest
 import torch
 from support import ROOT
+from workers import warm_start
 
 from lamploop.control.wire import new_nonce
 from lamploop.errors import ConfigurationError, HandshakeError
@@ -352,11 +352,11 @@ async def test_peers_of_another_protocol_version_are_refused_with_both_versions_
     )
 
 
-def _start_producer(port: int, name: str, count: int, pace: float = 0.005) -> subprocess.Popen[str]:
+def _start_producer(port: int, name: str, count: int, pace: float = 0.005) -> Any:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LAMPLOOP_STREAM_TOKEN": TOKEN.decode()}
     script = str(ROOT / "tests" / "workers" / "stream_producer.py")
     argv = [sys.executable, script, str(port), name, str(count), str(pace)]
-    return subprocess.Popen(argv, env=env, text=True)
+    return warm_start.popen(argv, env=env, text=True)
 
 
 async def test_producer_processes_killed_and_restarted_go_back_to_their_rank_and_deliver_each_seq_once() -> (
@@ -364,7 +364,7 @@ async def test_producer_processes_killed_and_restarted_go_back_to_their_rank_and
 ):
     count = 300
     sinks = [ListSink(), ListSink()]
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[Any] = []
     try:
         with anyio.fail_after(50):
             async with (

@@ -21,9 +21,11 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import ROOT, WORKERS
+from workers import warm_start
 
 from lamploop.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -32,9 +34,9 @@ WORKER = WORKERS / "stream_ranks.py"
 COUNTS = (12, 28)  # rank 0 runs dry long before rank 1
 
 
-def _start(checkpoints: Path, log_prefix: Path, policy: str, *extra: str) -> subprocess.Popen[str]:
+def _start(checkpoints: Path, log_prefix: Path, policy: str, *extra: str) -> Any:
     counts = ",".join(str(c) for c in COUNTS)
-    return subprocess.Popen(
+    return warm_start.popen(
         [sys.executable, str(WORKER), str(checkpoints), str(log_prefix), policy, counts, *extra],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
@@ -45,7 +47,7 @@ def _start(checkpoints: Path, log_prefix: Path, policy: str, *extra: str) -> sub
     )
 
 
-def _finish(process: subprocess.Popen[str], seconds: float, what: str) -> tuple[int, str]:
+def _finish(process: Any, seconds: float, what: str) -> tuple[int, str]:
     try:
         out, _ = process.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:

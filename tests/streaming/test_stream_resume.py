@@ -21,9 +21,11 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import ROOT, WORKERS, free_port
+from workers import warm_start
 
 from lamploop.checkpoint import latest_checkpoint
 
@@ -44,7 +46,7 @@ def _epoch_of_latest(directory: Path) -> int:
     return int(latest.name.split("-")[1])
 
 
-def _wait(process: subprocess.Popen[str], seconds: float, what: str) -> str:
+def _wait(process: Any, seconds: float, what: str) -> str:
     try:
         out, _ = process.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -70,8 +72,8 @@ def _read_in(log: Path, epoch: int) -> bool:
     return log.exists() and any(e == epoch for e, _, _ in _reads(log))
 
 
-def _start(args: list[str], token: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _start(args: list[str], token: str) -> Any:
+    return warm_start.popen(
         [sys.executable, *args],
         env=_env(token),
         cwd=ROOT,
@@ -90,7 +92,7 @@ def test_a_sigkilled_trainer_resumes_and_every_sample_is_read_max_reads_times(
     port = free_port()
     checkpoints = tmp_path / "checkpoints"
 
-    def trainer(log: Path) -> subprocess.Popen[str]:
+    def trainer(log: Path) -> Any:
         args = [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), policy]
         return _start([*args, *NAMES], token)
 
@@ -145,11 +147,11 @@ def test_a_sigkilled_producer_restarts_from_zero_and_nothing_is_read_twice(tmp_p
         [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), "firo", *NAMES], token
     )
 
-    def producer(name: str) -> subprocess.Popen[str]:
+    def producer(name: str) -> Any:
         return _start([str(WORKERS / "stream_producer.py"), str(port), name, str(SAMPLES)], token)
 
     producers = {name: producer(name) for name in NAMES}
-    restarted: subprocess.Popen[str] | None = None
+    restarted: Any | None = None
     try:
         deadline = time.monotonic() + 60
         while _epoch_of_latest(checkpoints) < 2:
@@ -183,7 +185,7 @@ def test_a_producer_done_before_the_crash_is_not_waited_for_after_it(tmp_path: P
     checkpoints = tmp_path / "checkpoints"
     counts = {"sim-a": 6, "sim-b": SAMPLES}
 
-    def trainer(log: Path) -> subprocess.Popen[str]:
+    def trainer(log: Path) -> Any:
         args = [str(WORKERS / "stream_trainer.py"), str(port), str(checkpoints), str(log), "fifo"]
         return _start([*args, *counts], token)
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 from support import ROOT
+from workers import warm_start
 
 RUNS = 10
 AT_ONCE = 2
@@ -29,7 +30,7 @@ def test_exiting_right_after_the_last_collective_never_aborts() -> None:
     results: list[tuple[int, str]] = []
     for _ in range(RUNS // AT_ONCE):
         procs = [
-            subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            warm_start.popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for _ in range(AT_ONCE)
         ]
         for proc in procs:

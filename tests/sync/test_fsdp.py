@@ -390,6 +390,7 @@ else:
     raise AssertionError("fsdp.no_such_name resolved")
 print("ok")
 """
+    # A fresh interpreter, not a warm worker (tests/workers/warm_start.py): what gets imported is the point.
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )

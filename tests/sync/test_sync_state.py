@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from support import ROOT, WORKERS
+from workers import warm_start
 
 from lamploop.checkpoint import load_checkpoint
 
@@ -23,8 +25,8 @@ ROOT = ROOT
 WORKER = WORKERS / "stateful_strategy.py"
 
 
-def _start(strategy: str, directory: Path, max_epochs: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _start(strategy: str, directory: Path, max_epochs: int) -> Any:
+    return warm_start.popen(
         [sys.executable, str(WORKER), strategy, str(directory), str(max_epochs)],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -33,7 +35,7 @@ def _start(strategy: str, directory: Path, max_epochs: int) -> subprocess.Popen[
     )
 
 
-def _finish(run: subprocess.Popen[str], strategy: str, max_epochs: int) -> None:
+def _finish(run: Any, strategy: str, max_epochs: int) -> None:
     try:
         out, _ = run.communicate(timeout=90)
     except subprocess.TimeoutExpired:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WarmProcess", "popen"]
+__all__ = ["WarmProcess", "popen", "run"]
 
 SERVER = Path(__file__).resolve().with_name("warm_server.py")
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "CUDA", "TORCH", "NCCL", "MALLOC")
@@ -68,42 +68,55 @@ class _Server:
         self.answers: list[dict[str, Any]] = []
         self.gone = False
         self._pending = b""
-        self.lock = threading.RLock()
+        # Two locks, and neither held while waiting: a thread blocked in select while holding
+        # the one that poll() takes would delay another thread's poll(), and so its
+        # send_signal(), by up to that wait (test_reliability runs scenarios in threads and
+        # times a fault from just before its send_signal).
+        self._reading = threading.Lock()  # the reads of the replies and what they say
+        self._requesting = threading.Lock()  # one request outstanding: its answer is the next
+        os.set_blocking(self.replies.fileno(), False)
         atexit.register(self.close)
 
     def pump(self, timeout: float) -> None:
-        """Read what the server said within ``timeout`` seconds (0: only what is there)."""
-        with self.lock:
-            fd = self.replies.fileno()
-            if self.gone or not select.select([fd], [], [], max(timeout, 0.0))[0]:
-                return
-            data = os.read(fd, 1 << 16)
-            if not data:
-                self.gone = True
-                return
-            self._pending += data
-            while b"\n" in self._pending:
-                line, self._pending = self._pending.split(b"\n", 1)
-                message = json.loads(line)
-                if "exited" in message:
-                    self.exits[message["exited"]] = message["code"]
-                else:
-                    self.answers.append(message)
+        """Read what the server said, waiting up to ``timeout`` seconds for it (0: not at all)."""
+        fd = self.replies.fileno()
+        if timeout > 0 and not self.gone:
+            select.select([fd], [], [], timeout)  # another thread may read what this sees
+        with self._reading:
+            while not self.gone:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    return
+                if not data:
+                    self.gone = True
+                    return
+                self._pending += data
+                while b"\n" in self._pending:
+                    line, self._pending = self._pending.split(b"\n", 1)
+                    message = json.loads(line)
+                    if "exited" in message:
+                        self.exits[message["exited"]] = message["code"]
+                    else:
+                        self.answers.append(message)
 
     def fork(self, request: dict[str, Any]) -> int | None:
         """The pid of a child forked for ``request``; ``None`` when the server cannot fork (it
         has more than one thread: torch starts an OpenMP thread at import unless
         ``OMP_NUM_THREADS=1``), and the command starts cold."""
-        with self.lock:
+        with self._requesting:
             self.requests.write((json.dumps(request) + "\n").encode())
             self.requests.flush()
             deadline = time.monotonic() + _REPLY_TIMEOUT
-            while not self.answers:
+            while True:
+                with self._reading:
+                    answer = self.answers.pop(0) if self.answers else None
+                if answer is not None:
+                    break
                 if self.gone or time.monotonic() > deadline:
                     msg = f"the warm server (pid {self.proc.pid}) did not answer within {_REPLY_TIMEOUT} s"
                     raise RuntimeError(msg)
-                self.pump(deadline - time.monotonic())
-            answer = self.answers.pop(0)
+                self.pump(min(deadline - time.monotonic(), 1.0))
         if "threads" in answer:
             return None
         return int(answer["started"])
@@ -273,3 +286,30 @@ def popen(
         for opened, where in zip(files, (stdout, stderr), strict=True):
             if opened is not where:
                 opened.close()
+
+
+def run(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    capture_output: bool = False,
+    text: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run(argv, ...)`` through :func:`popen` (warm where it can be): on a timeout
+    the worker's process group is killed and ``subprocess.TimeoutExpired`` raised."""
+    pipe = subprocess.PIPE if capture_output else None
+    proc = popen(argv, env=env, cwd=cwd, stdout=pipe, stderr=pipe, text=text)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise subprocess.TimeoutExpired(argv, timeout or 0.0, output=out, stderr=err) from None
+    done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done

@@ -70,12 +70,11 @@ def _become(request: dict[str, Any], wakeup: tuple[int, int]) -> list[str]:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    streams = {"inherit": 2}  # the server's stdout is its replies: inherit means its stderr
     for fd, where in ((1, request["stdout"]), (2, request["stderr"])):
         if where == "stdout":
             os.dup2(1, fd)
-        elif where in streams:
-            os.dup2(streams[where], fd)
+        elif where == "inherit":  # the server's stdout is its replies: its stderr is what to inherit
+            os.dup2(2, fd)
         else:
             opened = os.open(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(opened, fd)

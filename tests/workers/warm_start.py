@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import math
 import os
@@ -217,16 +218,12 @@ def _warm(argv: list[str]) -> bool:
     return not argv[1].startswith("-") and argv[1].endswith(".py")
 
 
-_pipes: list[str] = []
-
-
+@functools.cache
 def _pipe_dir() -> str:
-    """A folder of this process for the files that stand in for pipes, removed at its exit."""
-    with _lock:
-        if not _pipes:
-            _pipes.append(tempfile.mkdtemp(prefix="lamploop-warm-"))
-            atexit.register(shutil.rmtree, _pipes[0], ignore_errors=True)
-        return _pipes[0]
+    """A folder for the files that stand in for pipes, removed at this process's exit."""
+    path = tempfile.mkdtemp(prefix="lamploop-warm-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _output_path(where: Any, name: str) -> tuple[str | None, Path | None]:

@@ -236,7 +236,7 @@ class ProducerSession:
     async def run(self) -> str | None:
         """Take samples until the producer leaves; why it broke the protocol, or ``None``."""
         conn, name = self.conn, self.name
-        conn.read_in_large_chunks()  # a producer's frames are up to 2 MiB
+        conn.receive_into_frames()  # a producer's frames are up to 2 MiB: read into their runs
         acks = _Acks(sent=self.intake.acked.get(name, -1))
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._ack_soon, conn, name, acks)

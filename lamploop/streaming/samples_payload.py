@@ -25,7 +25,14 @@ from lamploop.errors import FrameError
 from lamploop.streaming.sample_rows import single_row
 from lamploop.streaming.tensor_bytes import Signature, address_of, decode_rows, decode_tensors_signed
 
-__all__ = ["MAX_SAMPLES_PER_FRAME", "RUN_TAKEN_BYTES", "decode_samples", "payload_offsets", "take_samples"]
+__all__ = [
+    "MAX_SAMPLES_PER_FRAME",
+    "RUN_TAKEN_BYTES",
+    "decode_samples",
+    "payload_offsets",
+    "run_lengths",
+    "take_samples",
+]
 
 MAX_SAMPLES_PER_FRAME: Final = 4096
 """The most samples one ``"samples"`` frame carries (its header lists their sizes)."""
@@ -97,30 +104,43 @@ def decode_samples(
     return samples, signatures
 
 
+def run_lengths(sizes: list[Any]) -> list[int] | None:
+    """The bytes of each run that :func:`take_samples` takes apart from a payload of samples of
+    these ``sizes`` (checked by :func:`payload_offsets` first), or ``None`` when it takes the
+    payload whole (samples of several sizes, or runs under :data:`RUN_TAKEN_BYTES`)."""
+    count, size = len(sizes), sizes[0]
+    stride = size + (-size % _ALIGN)
+    group = max(_GROUP_SAMPLES, _GROUP_BYTES // max(stride, 1))
+    if count <= group or group * stride < RUN_TAKEN_BYTES or sizes.count(size) != count:
+        return None
+    return [min(group, count - first) * stride for first in range(0, count, group)]
+
+
 def take_samples(
     take: Callable[[int], bytearray], start: int, payload: int, sizes: list[Any]
 ) -> tuple[list[Mapping[str, torch.Tensor]], list[Signature]]:
     """:func:`_decode_samples` of a payload still in the decoder's received chunks (``take``).
 
-    A batch of more than one run of samples of one size, runs of 256 KiB or more, gathers each
-    run straight into memory of its own, instead of the whole payload first and then each run
-    again: one copy of the received bytes, not two.  Each run is decoded together when its
-    samples share one header, else one by one (views of the run: a sample holds its run, as in
-    :func:`decode_body`).
+    A batch of more than one run of samples of one size, runs of 256 KiB or more
+    (:func:`run_lengths`), gathers each run straight into memory of its own, instead of the
+    whole payload first and then each run again: one copy of the received bytes, not two (none,
+    when the decoder read the runs from the socket straight into their memory).  Each run is
+    decoded together when its samples share one header, else one by one (views of the run: a
+    sample holds its run, as in :func:`decode_body`).
     """
     payload_offsets(start, payload, sizes)
-    count, size = len(sizes), sizes[0]
-    stride = size + (-size % _ALIGN)
-    group = max(_GROUP_SAMPLES, _GROUP_BYTES // max(stride, 1))
-    if count <= group or group * stride < RUN_TAKEN_BYTES or sizes.count(size) != count:
+    runs = run_lengths(sizes)
+    if runs is None:
         # Runs of small samples: gathering the payload whole, then copying each run, costs less
         # than decoding each run apart (a run's fixed cost is a few tensors' worth).
         return decode_samples(take(payload), 0, sizes)
+    size = sizes[0]
+    stride = size + (-size % _ALIGN)
     samples: list[Mapping[str, torch.Tensor]] = []
     signatures: list[Signature] = []
-    for first in range(0, count, group):
-        n = min(group, count - first)
-        run = take(n * stride)
+    for run_bytes in runs:
+        n = run_bytes // stride
+        run = take(run_bytes)
         rows = decode_rows(run, 0, n, stride, size, group=n)
         if rows is not None:
             samples.extend(rows[0])

@@ -73,6 +73,8 @@ from lamploop.streaming.samples_payload import (
     MAX_SAMPLES_PER_FRAME,
     RUN_TAKEN_BYTES,
     decode_samples,
+    payload_offsets,
+    run_lengths,
     take_samples,
 )
 from lamploop.streaming.tensor_bytes import decode_tensors, encode_tensors
@@ -331,6 +333,34 @@ class FrameDecoder(frames.FrameDecoder[tuple[Message, int]]):
         if isinstance(message, SamplesFrame):
             self._check_order(message)
         return message, HEADER_BYTES + len(body)
+
+    def plan_body(self, length: int) -> tuple[int, list[int]] | None:
+        """A large batch read straight into its memory: its header gathered, then each run of
+        samples that :func:`~lamploop.streaming.samples_payload.take_samples` takes apart in
+        memory of its own (the payload whole, if it takes no runs); ``None`` until the header is
+        here.  Any other frame, or a header that does not decode (:meth:`decode_frame` says
+        why), is one part."""
+        if length <= RUN_TAKEN_BYTES:
+            return 0, [length]
+        head = self.peek(_JSON_HEADER.size)
+        if head is None:
+            return None
+        (size,) = _JSON_HEADER.unpack(head)
+        end = _JSON_HEADER.size + size
+        if end >= length:
+            return 0, [length]
+        raw = self.peek(end)
+        if raw is None:
+            return None
+        try:
+            cls, _tag, obj = _parse_header(raw[_JSON_HEADER.size :])
+            if cls is not SamplesFrame:
+                return 0, [length]
+            payload_offsets(end, length - end, obj["sizes"])
+        except FrameError:
+            return 0, [length]
+        runs = run_lengths(obj["sizes"])
+        return end, runs if runs is not None else [length - end]
 
     def decode_frame(self, length: int) -> tuple[Message, int]:
         """:meth:`decode_body` of the next frame, taking its header and payload apart from the

@@ -25,6 +25,7 @@ from anyio.abc import SocketAttribute
 
 from lamploop.errors import TransportError
 from lamploop.transport.frames import FrameDecoder
+from lamploop.transport.receive_into import receive_into
 from lamploop.transport.scatter import scatter_transport, write_parts
 
 __all__ = [
@@ -125,6 +126,17 @@ class FramedConnection(Generic[Item]):
         transport = getattr(self.stream, "_transport", None)  # anyio's asyncio socket stream
         if transport is not None and isinstance(getattr(transport, "max_size", None), int):
             transport.max_size = max(transport.max_size, RECEIVE_BYTES)
+
+    def receive_into_frames(self) -> bool:
+        """Read large frame bodies from the socket straight into their own memory from now on
+        (:mod:`lamploop.transport.receive_into`; after the handshake, with nothing sent or
+        received at the moment); whether the stream allows it (anyio's TCP stream on asyncio's
+        selector event loop).  Else the socket is read in large chunks
+        (:meth:`read_in_large_chunks`)."""
+        if receive_into(self.stream, self.decoder):
+            return True
+        self.read_in_large_chunks()
+        return False
 
     def authenticated(self, max_frame_bytes: int, *, name: str | None = None) -> None:
         """The peer proved the token: take frames up to ``max_frame_bytes``, several per read;

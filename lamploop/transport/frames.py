@@ -16,13 +16,18 @@ protocol shares, so that a fix to them is made once:
   later :meth:`~FrameDecoder.feed` raises again.
 
 Each body is gathered into a ``bytearray`` of its own (one copy of the received bytes),
-which a protocol's decoded tensors may view.
+which a protocol's decoded tensors may view.  A connection that lands received bytes where the
+decoder wants them (:mod:`lamploop.transport.receive_into`) lets a large body, or the parts of it
+that the protocol plans (:meth:`FrameDecoder.plan_body`: a batch's runs of samples), be read
+from the socket straight into that memory (:meth:`FrameDecoder.receive_target`,
+:meth:`FrameDecoder.landed`): no copy at all after the kernel's.
 
 .. versionadded:: 0.3
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -31,6 +36,7 @@ from typing import Final, Generic, TypeVar
 from lamploop.errors import FrameError
 
 __all__ = [
+    "DIRECT_BODY_BYTES",
     "HEADER_BYTES",
     "PREAUTH_FRAME_BYTES",
     "FrameDecoder",
@@ -56,7 +62,24 @@ SCATTER_BYTES: Final = 16 * 1024
 fewer); smaller neighbouring parts are joined (a part costs the socket a buffer, and joining a
 few small ones costs less)."""
 
+DIRECT_BODY_BYTES: Final = 64 * 1024
+"""A body this large is read straight into its own memory when the connection lands bytes
+where the decoder asks (:meth:`FrameDecoder.receive_target`); a smaller one is gathered from
+the reads (a plan and its targets cost more than copying a few KiB)."""
+
 _LENGTH = struct.Struct(">I")
+
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.restype = ctypes.py_object
+_new_bytearray.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _unfilled_bytearray(count: int) -> bytearray:
+    """A ``bytearray`` of ``count`` bytes not zeroed first (``bytearray(count)`` writes every
+    byte, a pass over the memory as costly as the socket's own): only for memory the socket
+    fills whole before anything reads it."""
+    buffer: bytearray = _new_bytearray(None, count)
+    return buffer
 
 
 def preauth_frame_bytes(max_frame_bytes: int, *, hello_bytes: int = 0, floor_factor: int = 1) -> int:
@@ -127,6 +150,13 @@ class FrameDecoder(Generic[Item]):
         self._size = 0  # bytes in _chunks
         self._body: int | None = None  # the length of the body awaited, once its prefix is read
         self._error: FrameError | None = None
+        self.direct = False  # whether received bytes may land in receive_target()
+        # The awaited body's memory, once planned: its parts (the planned prefix, then each
+        # planned part) and the parts' unfilled ends, in order; take() then reads the parts.
+        self._parts: deque[bytearray] | None = None
+        self._part_at = 0  # bytes of _parts[0] already taken
+        self._targets: deque[memoryview] = deque()
+        self._unfilled = 0  # bytes of the targets still to come
 
     @property
     def max_frame_bytes(self) -> int:
@@ -143,7 +173,82 @@ class FrameDecoder(Generic[Item]):
     @property
     def buffered(self) -> int:
         """How many bytes received wait: of an incomplete frame, or whole frames kept for later."""
-        return self._size + (HEADER_BYTES if self._body is not None else 0)
+        planned = 0
+        if self._parts is not None:
+            planned = sum(len(part) for part in self._parts) - self._part_at - self._unfilled
+        return self._size + planned + (HEADER_BYTES if self._body is not None else 0)
+
+    def plan_body(self, length: int) -> tuple[int, list[int]] | None:
+        """How the awaited body of ``length`` bytes is laid out in memory when it is read
+        straight into it: ``(prefix, parts)``, the first ``prefix`` bytes (already received: see
+        :meth:`peek`) gathered into one ``bytearray``, then each of ``parts`` (lengths that add
+        up to the rest) read into a ``bytearray`` of its own, which :meth:`take` then hands out
+        whole when asked for exactly that many bytes; ``None``: not yet (the prefix is still to
+        come).  By default the whole body in one part."""
+        return 0, [length]
+
+    def peek(self, count: int) -> bytes | None:
+        """The next ``count`` received bytes, left in place; ``None`` if fewer are here."""
+        if self._size < count:
+            return None
+        out = bytearray()
+        for chunk in self._chunks:
+            out += chunk[: count - len(out)]
+            if len(out) == count:
+                break
+        return bytes(out)
+
+    def receive_target(self) -> memoryview | None:
+        """Memory the next received bytes belong in (the awaited body's planned parts), or
+        ``None``: hand them to :meth:`feed`.  After the socket wrote ``n`` bytes at its start,
+        call :meth:`landed` with ``n``, then :meth:`feed` (``b""`` will do) for the items."""
+        return self._targets[0] if self._targets else None
+
+    def landed(self, count: int) -> None:
+        """``count`` bytes were written at the start of :meth:`receive_target`'s memory."""
+        target = self._targets[0]
+        if count > len(target) or count < 0:
+            msg = f"{count} bytes landed in a target of {len(target)}"
+            raise ValueError(msg)
+        self._unfilled -= count
+        if count == len(target):
+            self._targets.popleft()
+        else:
+            self._targets[0] = target[count:]
+
+    def _plan(self, length: int) -> None:
+        """Lay the awaited body out as :meth:`plan_body` says, if it says yet, and move the
+        body's bytes already received into it."""
+        plan = self.plan_body(length)
+        if plan is None:
+            return
+        prefix, lengths = plan
+        if prefix > self._size or prefix + sum(lengths) != length or any(n < 1 for n in lengths):
+            msg = f"a frame's planned layout {prefix} + {lengths} does not fit its body of {length} bytes"
+            raise FrameError(msg)
+        parts = [self._take(prefix)] if prefix else []
+        targets = []
+        for n in lengths:
+            part = _unfilled_bytearray(n)
+            parts.append(part)
+            targets.append(memoryview(part))
+        self._parts, self._part_at = deque(parts), 0
+        self._targets, self._unfilled = deque(targets), length - prefix
+        self._fill_targets()
+
+    def _fill_targets(self) -> None:
+        """Move received bytes (from :meth:`feed`) into the planned parts, in order."""
+        while self._targets and self._size:
+            target = self._targets[0]
+            chunk = self._chunks[0]
+            n = min(len(target), len(chunk))
+            target[:n] = chunk[:n]
+            if n == len(chunk):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = chunk[n:]
+            self._size -= n
+            self.landed(n)
 
     def authenticated(self, max_frame_bytes: int) -> None:
         """The peer proved the token: frames up to ``max_frame_bytes``, as many per feed as there are."""
@@ -165,8 +270,23 @@ class FrameDecoder(Generic[Item]):
 
     def take(self, count: int) -> bytearray:
         """The next ``count`` buffered bytes (at most :attr:`buffered`), in a bytearray of their
-        own (copied once); only from :meth:`decode_frame`."""
-        return self._take(count)
+        own (copied once; a planned part asked for whole is handed out as it is, not copied);
+        only from :meth:`decode_frame`."""
+        parts = self._parts
+        if parts is None:
+            return self._take(count)
+        if self._part_at == 0 and parts and len(parts[0]) == count:
+            return parts.popleft()
+        out = bytearray()
+        while len(out) < count and parts:
+            part = parts[0]
+            piece = memoryview(part)[self._part_at : self._part_at + count - len(out)]
+            out += piece
+            self._part_at += len(piece)
+            if self._part_at == len(part):
+                parts.popleft()
+                self._part_at = 0
+        return out
 
     def _take(self, count: int) -> bytearray:
         """The next ``count`` bytes of the chunks, in a bytearray of their own (copied once)."""
@@ -204,6 +324,19 @@ class FrameDecoder(Generic[Item]):
         items: list[Item] = []
         try:
             while True:
+                if self._parts is not None:  # the awaited body is planned
+                    self._fill_targets()
+                    if self._unfilled:
+                        break
+                    length, self._body = self._body, None
+                    assert length is not None
+                    try:
+                        items.append(self.decode_frame(length))
+                    finally:
+                        self._parts = None
+                    if self.one_at_a_time:
+                        break
+                    continue
                 if self._body is None:
                     if self._size < HEADER_BYTES:
                         break
@@ -213,6 +346,10 @@ class FrameDecoder(Generic[Item]):
                         raise FrameError(msg)
                     self._body = length
                 if self._size < self._body:
+                    if self.direct and self._body >= DIRECT_BODY_BYTES:
+                        self._plan(self._body)
+                        if self._parts is not None:
+                            continue
                     break
                 length, self._body = self._body, None
                 items.append(self.decode_frame(length))
@@ -222,5 +359,7 @@ class FrameDecoder(Generic[Item]):
             self._error = exc
             self._chunks.clear()
             self._size, self._body = 0, None
+            self._parts, self._unfilled = None, 0
+            self._targets.clear()
             raise
         return items

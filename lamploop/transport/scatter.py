@@ -22,12 +22,12 @@ from typing import Final, cast
 
 import anyio.abc
 
-__all__ = ["scatter_transport", "write_parts"]
+__all__ = ["SELECTOR_SOCKET_TRANSPORT", "scatter_transport", "write_parts"]
 
 _MAX_BUFFERS: Final = 512
 """The most parts given to one ``sendmsg`` (the system's limit, IOV_MAX, is 1024 on Linux)."""
 _HAS_SENDMSG: Final = hasattr(socket.socket, "sendmsg")  # not on Windows
-_SELECTOR_SOCKET_TRANSPORT: Final[type] = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+SELECTOR_SOCKET_TRANSPORT: Final[type] = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
 """asyncio's socket transport of its selector event loops (private; its ``_sock`` is the socket)."""
 
 
@@ -37,7 +37,7 @@ def scatter_transport(stream: anyio.abc.ByteStream) -> asyncio.WriteTransport | 
     or uvloop transport, a platform without ``sendmsg``, another backend): join the parts and
     send them."""
     transport = getattr(stream, "_transport", None)
-    if not _HAS_SENDMSG or not isinstance(transport, _SELECTOR_SOCKET_TRANSPORT):
+    if not _HAS_SENDMSG or not isinstance(transport, SELECTOR_SOCKET_TRANSPORT):
         return None
     selector_transport = cast("asyncio.WriteTransport", transport)
     if selector_transport.is_closing() or not isinstance(getattr(transport, "_sock", None), socket.socket):

@@ -8,9 +8,10 @@ after the kernel's, the first into memory allocated for the read.  With a
 for one that answers with the awaited body's memory when the decoder has laid it out
 (:meth:`~lamploop.transport.frames.FrameDecoder.receive_target`), and otherwise with a buffer of
 its own whose bytes it copies out, as anyio's protocol would have queued them.  The stream's
-``receive`` is unchanged for its caller: bytes read into the body are announced by an empty
-chunk (the decoder already holds them), so end of stream, errors, flow control and the reading
-pauses are anyio's own.
+``receive`` is unchanged for its caller: a body read whole into its memory is announced by an
+empty chunk (the decoder already holds the bytes; the reader is not woken before the body is
+whole, one turn of the event loop per frame rather than per read), so end of stream, errors,
+flow control and the reading pauses are anyio's own.
 
 Bytes are never taken out of order: the body's memory is offered only while no received chunk
 waits to be read (everything received before is with the decoder), and bytes that reached the
@@ -94,6 +95,8 @@ def _into_decoder_class() -> type[Any] | None:
         def buffer_updated(self, nbytes: int) -> None:
             if self._into_target:
                 self._decoder.landed(nbytes)
+                if self._decoder.receive_target() is not None:
+                    return  # the body is not whole yet: nothing for the reader to do (its wait goes on)
                 if not self.read_queue:
                     self.read_queue.append(b"")  # wakes the reader: the decoder holds the bytes
             else:

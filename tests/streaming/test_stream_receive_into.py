@@ -16,6 +16,7 @@ import anyio
 import pytest
 import torch
 
+from lamploop.errors import FrameError
 from lamploop.streaming.wire import Ack, FrameDecoder, FramedStream, SamplesFrame, encode_frame
 from lamploop.transport.frames import DIRECT_BODY_BYTES
 
@@ -194,3 +195,32 @@ async def test_over_tcp_the_stream_keeps_working_after_its_reads_go_into_the_bod
                     assert ack == Ack(upto_seq=len(sent))
             tg.cancel_scope.cancel()
     _assert_same(received, sent)
+
+
+def _refusal(data: bytes, *, direct: bool) -> tuple[str, FrameDecoder]:
+    """The FrameError of reading ``data`` (into the bodies' memory or gathered), and the decoder."""
+    decoder = FrameDecoder()
+    try:
+        if direct:
+            _Socket(data, seed=7, chunk_chance=0.0).read_all(decoder)
+        else:
+            decoder.feed(data)
+    except FrameError as exc:
+        return str(exc), decoder
+    raise AssertionError("no FrameError")
+
+
+@pytest.mark.parametrize("damage", ["sizes", "header"])
+def test_a_malformed_large_frame_read_into_its_memory_is_refused_as_when_gathered(damage: str) -> None:
+    frame = bytearray(encode_frame(_batch(0, 12, LARGE)))
+    if damage == "sizes":  # the same length, 8 bytes fewer: the plan cannot use it
+        bad = frame.replace(b'"sizes":[65672,', b'"sizes":[65664,', 1)
+    else:  # a header that is not JSON
+        bad = frame.replace(b'"producer"', b'"produce\xff"', 1)
+    assert bad != frame
+    gathered, _ = _refusal(bytes(bad), direct=False)
+    direct, decoder = _refusal(bytes(bad), direct=True)
+    assert direct == gathered
+    assert decoder.receive_target() is None
+    with pytest.raises(FrameError, match="unusable after an earlier bad frame"):
+        decoder.feed(b"more")

@@ -33,6 +33,10 @@ from lamploop.transport.scatter import SELECTOR_SOCKET_TRANSPORT
 
 __all__ = ["receive_into"]
 
+_SHARED_STATE: Final = ("read_queue", "read_event", "write_event", "exception", "is_at_eof")
+"""What anyio's stream reads of its protocol (anyio 4.7 to 4.16): an anyio whose protocol lacks
+one of them is left as it is."""
+
 _SCRATCH_BYTES: Final = 256 * 1024
 """The most read at once into the protocol's own buffer (asyncio's default ``max_size``)."""
 
@@ -49,6 +53,7 @@ def receive_into(stream: anyio.abc.ByteStream, decoder: FrameDecoder[Any]) -> bo
         into_class is None
         or not isinstance(found, SELECTOR_SOCKET_TRANSPORT)
         or type(protocol) is not into_class.__base__
+        or not all(hasattr(protocol, name) for name in _SHARED_STATE)
     ):
         return False
     transport = cast("asyncio.Transport", found)
@@ -76,7 +81,8 @@ def _into_decoder_class() -> type[Any] | None:
         where the decoder asks."""
 
         def __init__(self, protocol: StreamProtocol, decoder: FrameDecoder[Any]) -> None:
-            # The state anyio's stream and its transport share with the protocol replaced.
+            # The state anyio's stream and its transport share with the protocol replaced
+            # (_SHARED_STATE).
             self.read_queue = protocol.read_queue
             self.read_event = protocol.read_event
             self.write_event = protocol.write_event

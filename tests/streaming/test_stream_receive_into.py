@@ -19,6 +19,7 @@ import torch
 from lamploop.errors import FrameError
 from lamploop.streaming.wire import Ack, FrameDecoder, FramedStream, SamplesFrame, encode_frame
 from lamploop.transport.frames import DIRECT_BODY_BYTES
+from lamploop.transport.receive_into import receive_into
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -170,6 +171,7 @@ async def test_over_tcp_the_stream_keeps_working_after_its_reads_go_into_the_bod
             conn = FramedStream(raw, max_frame_bytes=8 << 20)
             assert conn.receive_into_frames()
             assert conn.decoder.direct
+            assert not receive_into(conn.stream, conn.decoder)  # once: its protocol is not anyio's now
             while (message := await conn.receive()) is not None:
                 received.append(message)
             await conn.send(encode_frame(Ack(upto_seq=len(received))))  # sending still works

@@ -324,35 +324,31 @@ class FrameDecoder(Generic[Item]):
         items: list[Item] = []
         try:
             while True:
-                if self._parts is not None:  # the awaited body is planned
+                if self._parts is not None:  # the awaited body is planned: whole once its parts are
                     self._fill_targets()
                     if self._unfilled:
                         break
-                    length, self._body = self._body, None
-                    assert length is not None
-                    try:
-                        items.append(self.decode_frame(length))
-                    finally:
-                        self._parts = None
-                    if self.one_at_a_time:
+                else:
+                    if self._body is None:
+                        if self._size < HEADER_BYTES:
+                            break
+                        (length,) = _LENGTH.unpack(self._take(HEADER_BYTES))
+                        if length > self._max:
+                            msg = f"a frame announces {length} bytes, over the limit of {self._max} bytes"
+                            raise FrameError(msg)
+                        self._body = length
+                    if self._size < self._body:
+                        if self.direct and self._body >= DIRECT_BODY_BYTES:
+                            self._plan(self._body)
+                            if self._parts is not None:
+                                continue
                         break
-                    continue
-                if self._body is None:
-                    if self._size < HEADER_BYTES:
-                        break
-                    (length,) = _LENGTH.unpack(self._take(HEADER_BYTES))
-                    if length > self._max:
-                        msg = f"a frame announces {length} bytes, over the limit of {self._max} bytes"
-                        raise FrameError(msg)
-                    self._body = length
-                if self._size < self._body:
-                    if self.direct and self._body >= DIRECT_BODY_BYTES:
-                        self._plan(self._body)
-                        if self._parts is not None:
-                            continue
-                    break
                 length, self._body = self._body, None
-                items.append(self.decode_frame(length))
+                assert length is not None
+                try:
+                    items.append(self.decode_frame(length))
+                finally:
+                    self._parts = None
                 if self.one_at_a_time:
                     break
         except FrameError as exc:

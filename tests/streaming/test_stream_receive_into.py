@@ -226,3 +226,25 @@ def test_a_malformed_large_frame_read_into_its_memory_is_refused_as_when_gathere
     assert decoder.receive_target() is None
     with pytest.raises(FrameError, match="unusable after an earlier bad frame"):
         decoder.feed(b"more")
+
+
+class _BadPlan(FrameDecoder):
+    """A protocol whose plan does not add up to the body: a bug the decoder names."""
+
+    def plan_body(self, length: int) -> tuple[int, list[int]] | None:
+        return 0, [length - 1]
+
+
+def test_a_plan_that_does_not_fit_the_body_and_a_read_past_the_target_are_named() -> None:
+    frame = encode_frame(_batch(0, 20, LARGE))
+    decoder = _BadPlan()
+    decoder.direct = True
+    with pytest.raises(FrameError, match=r"planned layout 0 \+ \[\d+\] does not fit its body of \d+ bytes"):
+        decoder.feed(frame[:1000])
+    decoder = FrameDecoder()
+    decoder.direct = True
+    decoder.feed(frame[:1000])
+    target = decoder.receive_target()
+    assert target is not None
+    with pytest.raises(ValueError, match=rf"{len(target) + 1} bytes landed in a target of {len(target)}"):
+        decoder.landed(len(target) + 1)

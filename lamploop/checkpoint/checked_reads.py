@@ -1,6 +1,7 @@
 """The reads a checkpoint's load is made of, each checked before it is used.
 
-The descriptor (format version and shape), a file against the size and sha256 the
+The descriptor (format version and shape), its file records (one for every file the
+checkpoint needs, none outside its directory), a file against the size and sha256 the
 descriptor records, a safetensors file's tensors against the descriptor's list, a model's
 fit to the saved one, and the schedule state structured as the schedule's type.  Each
 failure is a :class:`~lamploop.errors.CheckpointError` that starts with the file at fault.
@@ -16,14 +17,19 @@ import safetensors
 import safetensors.torch
 import torch
 
+from lamploop.checkpoint.extras import extra_file
 from lamploop.checkpoint.files import read_json_object
 from lamploop.checkpoint.format import (
+    AVERAGED_MODEL_FILE,
     BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
     FORMAT_VERSION,
     MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
     _Descriptor,
     _type_name,
+    rank_rng_file,
 )
 from lamploop.checkpoint.integrity import check_file
 from lamploop.errors import CheckpointError
@@ -31,7 +37,7 @@ from lamploop.modelspec import ModelSpec, describe_mismatch, model_spec
 from lamploop.schedules import LearningRateSchedule
 from lamploop.state import converter
 
-__all__ = ["read_descriptor"]
+__all__ = ["check_records", "read_descriptor", "record_problems", "required_files"]
 
 
 def read_descriptor(path: pathlib.Path) -> _Descriptor:
@@ -59,11 +65,58 @@ def read_descriptor(path: pathlib.Path) -> _Descriptor:
         raise CheckpointError(msg) from e
 
 
+def required_files(descriptor: _Descriptor) -> list[str]:
+    """The files a checkpoint of this descriptor is made of (each needs a record in ``files``)."""
+    names = [MODEL_FILE, BEST_MODEL_FILE, OPTIMIZER_FILE, RNG_FILE]
+    names += [rank_rng_file(rank) for rank in range(1, len(descriptor.rank_rngs) + 1)]
+    if descriptor.averaged_model_spec is not None:
+        names.append(AVERAGED_MODEL_FILE)
+    names += [extra_file(name) for name in descriptor.extras]
+    return names
+
+
+def record_problems(descriptor: _Descriptor) -> list[str]:
+    """What is wrong with the descriptor's file records (each the descriptor's problem, without its
+    path): a file the checkpoint needs that has no record, a record of a name outside the directory.
+
+    :func:`check_records` (loading) raises the first; ``verify_checkpoint`` reports them all.
+    """
+    problems = [
+        f"lists no sha256 and size for {name}"
+        for name in required_files(descriptor)
+        if name not in descriptor.files
+    ]
+    for name in descriptor.files:
+        if pathlib.PurePath(name).name != name or name in (".", ".."):  # never read outside the checkpoint
+            problems.append(f"lists {name!r}, which is not a file name inside the checkpoint directory")
+    return problems
+
+
+def check_records(directory: pathlib.Path, descriptor: _Descriptor) -> None:
+    """Refuse a checkpoint whose descriptor's file records are wrong, or whose listed files beyond
+    those it needs are not as recorded (the files it needs are checked as they are read).
+
+    Raises:
+        CheckpointError: the first problem, starting with the file at fault.
+    """
+    problems = record_problems(descriptor)
+    if problems:
+        msg = f"{directory / DESCRIPTOR_NAME}: {problems[0]}"
+        raise CheckpointError(msg)
+    needed = set(required_files(descriptor))
+    for name, record in descriptor.files.items():
+        if name not in needed:
+            problem = check_file(directory, name, record).problem
+            if problem is not None:
+                msg = f"{directory / name}: {problem}"
+                raise CheckpointError(msg)
+
+
 def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> dict[str, torch.Tensor]:
     """Check a file's size and sha256 against the descriptor, then parse it."""
     path = directory / file
     record = descriptor.files.get(file)
-    if record is None:
+    if record is None:  # check_records ran first: a caller's own file name
         msg = f"{directory / DESCRIPTOR_NAME}: lists no sha256 and size for {file}"
         raise CheckpointError(msg)
     problem = check_file(directory, file, record).problem

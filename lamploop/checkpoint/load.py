@@ -22,6 +22,7 @@ from lamploop.checkpoint.checked_reads import (
     _read_tensors,
     _require_fit,
     _structure_schedule_state,
+    check_records,
     read_descriptor,
 )
 from lamploop.checkpoint.codec import decode_tree
@@ -240,6 +241,7 @@ def _load_directory(
     """Load and validate one checkpoint directory (see :func:`load_checkpoint`)."""
     descriptor_path = directory / DESCRIPTOR_NAME
     descriptor = read_descriptor(descriptor_path)
+    check_records(directory, descriptor)
     sharded = is_sharded_checkpoint(directory)
     if model is not None and not sharded:
         _check_fits(directory, descriptor, model_spec(model))

@@ -32,7 +32,9 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> pathlib.Path | None:
     Raises:
         ConfigurationError: ``directory`` is not a path, or is a file.
         CheckpointError: ``latest`` cannot be read, does not hold a checkpoint
-            directory name, or names a directory that does not exist.
+            directory name, or names a directory that does not exist while no complete
+            checkpoint is left (with one, the most recently saved is returned, and a warning
+            is logged).
     """
     root = check_directory("latest_checkpoint: directory", directory)
     name, problem = read_latest(root)

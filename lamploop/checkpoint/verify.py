@@ -30,7 +30,7 @@ from typing import Final
 
 import attrs
 
-from lamploop.checkpoint.extras import extra_file
+from lamploop.checkpoint.checked_reads import record_problems, required_files
 from lamploop.checkpoint.files import (
     checkpoint_directories,
     is_one_checkpoint,
@@ -40,15 +40,9 @@ from lamploop.checkpoint.files import (
 )
 from lamploop.checkpoint.format import (
     _CHECKPOINT_NAME,
-    AVERAGED_MODEL_FILE,
-    BEST_MODEL_FILE,
     DESCRIPTOR_NAME,
     LATEST_NAME,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    RNG_FILE,
     _Descriptor,
-    rank_rng_file,
 )
 from lamploop.checkpoint.integrity import FileCheck, check_file, file_size
 from lamploop.checkpoint.load import load_checkpoint, read_descriptor, resolve_checkpoint
@@ -146,15 +140,6 @@ class CheckpointReport:
 # Checking
 
 
-def _required_files(descriptor: _Descriptor) -> list[str]:
-    names = [MODEL_FILE, BEST_MODEL_FILE, OPTIMIZER_FILE, RNG_FILE]
-    names += [rank_rng_file(rank) for rank in range(1, len(descriptor.rank_rngs) + 1)]
-    if descriptor.averaged_model_spec is not None:
-        names.append(AVERAGED_MODEL_FILE)
-    names += [extra_file(name) for name in descriptor.extras]
-    return names
-
-
 def _name_position(name: str) -> tuple[int, int | None]:
     match = _CHECKPOINT_NAME.fullmatch(name)
     if match is None:
@@ -188,6 +173,7 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
         in_index = {check.name for check in sharded if check.note is None}
         present = [name for name in present if name not in in_index]
     descriptor: _Descriptor | None = None
+    descriptor_problems: list[str] = []
     try:
         descriptor = read_descriptor(descriptor_path)
         descriptor_problem = None
@@ -203,21 +189,19 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
             if name != DESCRIPTOR_NAME
         ]
     else:
-        for name in _required_files(descriptor):
-            if name not in descriptor.files:
-                files.append(
-                    FileCheck(
-                        name,
-                        file_size(directory / name),
-                        problem=f"{DESCRIPTOR_NAME} lists no sha256 and size for it",
-                    )
-                )
+        # The descriptor's own problems, in load_checkpoint's words (one check for both).
+        descriptor_problems = record_problems(descriptor)
+        if descriptor_problems:
+            files[0] = attrs.evolve(files[0], problem="; ".join(descriptor_problems))
+        unrecorded = f"not checked: {DESCRIPTOR_NAME} lists no sha256 and size for it"
+        files += [
+            FileCheck(name, file_size(directory / name), note=unrecorded)
+            for name in required_files(descriptor)
+            if name not in descriptor.files
+        ]
         for name, record in descriptor.files.items():
-            if Path(name).name != name or name in (".", ".."):  # never read outside the checkpoint
-                problem = f"lists {name!r}, which is not a file name inside the checkpoint directory"
-                files[0] = attrs.evolve(files[0], problem=problem)
-                continue
-            files.append(check_file(directory, name, record))
+            if Path(name).name == name and name not in (".", ".."):  # never read outside the checkpoint
+                files.append(check_file(directory, name, record))
         listed = {f.name for f in files}
         for name in present:
             if name not in listed:
@@ -225,7 +209,11 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
                 files.append(FileCheck(name, file_size(directory / name), note=note))
                 notes.append(f"{directory / name}: {note}")
     files += [check for check in sharded if check.note is None]
-    problems = [f"{directory / f.name}: {f.problem}" for f in files if f.problem is not None]
+    problems = [f"{directory / f.name}: {f.problem}" for f in files[1:] if f.problem is not None]
+    if descriptor is not None:
+        problems[:0] = [f"{descriptor_path}: {problem}" for problem in descriptor_problems]
+    elif files[0].problem is not None:
+        problems.insert(0, f"{descriptor_path}: {files[0].problem}")
     if descriptor is not None and not problems:
         # Every file is intact: load it as a resuming run would, which also checks that the
         # safetensors files parse and hold the tensors the descriptor lists.

@@ -100,12 +100,13 @@ class _StageEpochs:
         checkpoint_state: Callable[[LoopStateWithModelAndOptimizerData, Any], Awaitable[None]] | None,
         best: dict[str, torch.Tensor],
         start_epoch: int,
+        base_lrs: tuple[float, ...],
     ) -> None:
         self.runner, self.optimizer = runner, optimizer
         self.train_batches, self.validation_batches = train_batches, validation_batches
         self.checkpoint_state = checkpoint_state
         self.best = best
-        self.base_lrs = learning_rates(optimizer)
+        self.base_lrs = base_lrs
         self.epoch = start_epoch
         self.n = runner.spec.n_microbatches
 
@@ -251,6 +252,7 @@ async def train_pipeline(
     optimizer = make_optimizer(optimizer_factory, runner.module.parameters(), where="train_pipeline")
     best: dict[str, torch.Tensor] = {}
     start_epoch = 0
+    base_lrs = learning_rates(optimizer)  # before a restored state sets the last epoch's rates
     if init_state is not None:
         try:
             runner.module.load_state_dict(dict(init_state.model))
@@ -263,7 +265,7 @@ async def train_pipeline(
     parameters = sum(p.numel() for p in model.parameters())
     await _settle(spec, len(list(model.children())), parameters, start_epoch, rank)
     effects = _StageEpochs(
-        runner, optimizer, train_batches, validation_batches, checkpoint_state, best, start_epoch
+        runner, optimizer, train_batches, validation_batches, checkpoint_state, best, start_epoch, base_lrs
     )
     state = await epochs(
         max_epochs=max_epochs,

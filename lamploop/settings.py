@@ -50,7 +50,7 @@ from lamploop.loop.precision import Precision, check_precision
 from lamploop.loop.profiler import Profile
 from lamploop.loop.selection import ModelSelection, SelectionMode
 from lamploop.schedules import LearningRateSchedule, Noop, noop
-from lamploop.schedules.step import StepSchedule
+from lamploop.schedules.step import StepSchedule, check_step_schedule
 from lamploop.schedules.torch_scheduler import LrSchedulerFactory, SchedulerInterval, check_interval
 from lamploop.sync.buckets import DEFAULT_BUCKET_CAP_MB
 from lamploop.sync.collectives import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -111,12 +111,8 @@ def _precision(_: object, __: attrs.Attribute[str], value: str) -> None:
 
 
 def _step_schedule(_: object, __: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not callable(getattr(value, "factor", None)):
-        msg = (
-            "step_schedule must have factor(epoch, step) (see lamploop.schedules.step), "
-            f"got {type(value).__name__}"
-        )
-        raise ConfigurationError(msg)
+    if value is not None:
+        check_step_schedule("step_schedule", value)
 
 
 def _averaging(_: object, __: attrs.Attribute[Any], value: Any) -> None:

@@ -167,7 +167,8 @@ async def fit_async(
             multiplied with ``learning_rate_schedule``'s (see :mod:`lamploop.schedules.step`).
         lr_scheduler, lr_scheduler_interval: a factory ``optimizer -> torch.optim.lr_scheduler``
             scheduler, stepped after every ``"step"`` or every ``"epoch"`` (default), written to
-            checkpoints; it replaces ``learning_rate_schedule`` and ``step_schedule`` (see
+            checkpoints; it owns the rates: given with ``learning_rate_schedule`` or
+            ``step_schedule`` it is a ConfigurationError before anything starts (see
             :mod:`lamploop.schedules.torch_scheduler`).
         averaging: ``lamploop.averaging.ema(decay)`` or ``swa(start_epoch)``: the weight
             average is checkpointed, and the model ends holding it (instead of the best

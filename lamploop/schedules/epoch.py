@@ -21,6 +21,7 @@ an uninterrupted run would have asked.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -73,6 +74,22 @@ class LearningRateSchedule(Protocol[S]):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
+
+
+def _number(where: str, name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number (not a bool), else a ConfigurationError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        msg = f"{where}: {name} must be a finite number, got {value!r:.60}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def _count(where: str, name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else a ConfigurationError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        msg = f"{where}: {name} must be an int >= {minimum}, got {value!r:.60}"
+        raise ConfigurationError(msg)
+    return value
 
 
 @attrs.frozen
@@ -165,7 +182,15 @@ class FromEpochCount(_Stateless):
     f: Callable[[int], float]
 
     def factor(self, epoch: int) -> float:
-        return float(self.f(epoch))
+        value = self.f(epoch)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # e.g. a function without `return`
+            name = getattr(self.f, "__qualname__", type(self.f).__name__)
+            msg = (
+                f"from_epoch_count: {name}({epoch}) returned {value!r:.60}, not a number; "
+                "a factor must be a finite number (<= 0 ends training)"
+            )
+            raise ConfigurationError(msg)
+        return float(value)
 
 
 def noop() -> Noop:
@@ -179,8 +204,11 @@ def decrement(every: int, fraction: float) -> Decrement:
     Raises:
         ConfigurationError: ``every < 1`` or ``fraction`` not in ``[0, 1]``.
     """
-    _require(isinstance(every, int) and every >= 1, f"decrement: every must be an int >= 1, got {every!r}")
-    _require(0.0 <= fraction <= 1.0, f"decrement: fraction must be in [0, 1], got {fraction}")
+    _count("decrement", "every", every, 1)
+    _require(
+        0.0 <= _number("decrement", "fraction", fraction) <= 1.0,
+        f"decrement: fraction must be in [0, 1], got {fraction}",
+    )
     return Decrement(every, fraction)
 
 
@@ -192,12 +220,11 @@ def linear(start: float, end: float, max_steps: int) -> Linear:
     first epoch whose factor is <= 0.
 
     Raises:
-        ConfigurationError: ``max_steps < 1``.
+        ConfigurationError: ``start`` or ``end`` not a finite number, or ``max_steps < 1``.
     """
-    _require(
-        isinstance(max_steps, int) and max_steps >= 1,
-        f"linear: max_steps must be an int >= 1, got {max_steps!r}",
-    )
+    _number("linear", "start", start)
+    _number("linear", "end", end)
+    _count("linear", "max_steps", max_steps, 1)
     return Linear(start, end, max_steps)
 
 
@@ -205,9 +232,10 @@ def step_after(steps: int, factor: float) -> StepAfter:
     """Factor 1 before epoch ``steps``, ``factor`` from then on.
 
     Raises:
-        ConfigurationError: ``steps < 0``.
+        ConfigurationError: ``steps < 0``, or ``factor`` not a finite number.
     """
-    _require(steps >= 0, f"step_after: steps must be >= 0, got {steps}")
+    _count("step_after", "steps", steps, 0)
+    _number("step_after", "factor", factor)
     return StepAfter(steps, factor)
 
 
@@ -220,8 +248,10 @@ def cyclic(max_factor: float, period_length: int) -> Cyclic:
     Raises:
         ConfigurationError: ``period_length < 2`` or ``max_factor <= 0``.
     """
-    _require(period_length >= 2, f"cyclic: period_length must be >= 2, got {period_length}")
-    _require(max_factor > 0, f"cyclic: max_factor must be > 0, got {max_factor}")
+    _count("cyclic", "period_length", period_length, 2)
+    _require(
+        _number("cyclic", "max_factor", max_factor) > 0, f"cyclic: max_factor must be > 0, got {max_factor}"
+    )
     return Cyclic(max_factor, period_length)
 
 
@@ -302,17 +332,21 @@ def reduce_lr_on_plateau(
     Raises:
         ConfigurationError: a value out of range.
     """
-    _require(start_factor > 0, f"reduce_lr_on_plateau: start_factor must be > 0, got {start_factor}")
+    where = "reduce_lr_on_plateau"
     _require(
-        0 < reduce_factor < 1, f"reduce_lr_on_plateau: reduce_factor must be in (0, 1), got {reduce_factor}"
+        _number(where, "start_factor", start_factor) > 0,
+        f"{where}: start_factor must be > 0, got {start_factor}",
     )
-    _require(patience >= 0, f"reduce_lr_on_plateau: patience must be >= 0, got {patience}")
-    _require(threshold >= 0, f"reduce_lr_on_plateau: threshold must be >= 0, got {threshold}")
-    _require(min_factor >= 0, f"reduce_lr_on_plateau: min_factor must be >= 0, got {min_factor}")
     _require(
-        validation_frequency >= 1,
-        f"reduce_lr_on_plateau: validation_frequency must be >= 1, got {validation_frequency}",
+        0 < _number(where, "reduce_factor", reduce_factor) < 1,
+        f"{where}: reduce_factor must be in (0, 1), got {reduce_factor}",
     )
+    _count(where, "patience (a count of validations)", patience, 0)
+    _require(_number(where, "threshold", threshold) >= 0, f"{where}: threshold must be >= 0, got {threshold}")
+    _require(
+        _number(where, "min_factor", min_factor) >= 0, f"{where}: min_factor must be >= 0, got {min_factor}"
+    )
+    _count(where, "validation_frequency", validation_frequency, 1)
     return ReduceLrOnPlateau(
         start_factor, reduce_factor, patience, threshold, min_factor, validation_frequency
     )

@@ -16,6 +16,7 @@ of the rank with the most batches, divided by the accumulation).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +30,7 @@ __all__ = [
     "WarmupCosine",
     "WarmupLinear",
     "check_step_factor",
+    "check_step_schedule",
     "warmup_cosine",
     "warmup_linear",
 ]
@@ -58,7 +60,10 @@ class _WarmupThenDecay:
         t = _global(epoch, step, self.steps_per_epoch)
         if t < self.warmup_steps:
             return (t + 1) / self.warmup_steps
-        progress = min(1.0, (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        span = self.total_steps - self.warmup_steps
+        progress = (
+            1.0 if span == 0 else min(1.0, (t - self.warmup_steps) / span)
+        )  # all warm-up: final at once
         return self.final + (1.0 - self.final) * self.decay(progress)
 
     def decay(self, progress: float) -> float:
@@ -120,6 +125,34 @@ def warmup_linear(
     """
     _checked(warmup_steps, total_steps, steps_per_epoch, final, "warmup_linear")
     return WarmupLinear(warmup_steps, total_steps, steps_per_epoch, final)
+
+
+def check_step_schedule(name: str, value: object) -> None:
+    """ConfigurationError naming ``name`` unless ``value`` has ``factor(epoch, step)``.
+
+    An epoch schedule (``factor(epoch)``) passed as a step schedule is named as one, before
+    training starts rather than at its first step.
+    """
+    factor = getattr(value, "factor", None)
+    takes_two = callable(factor)
+    if factor is not None and takes_two:
+        try:
+            inspect.signature(factor).bind(0, 0)
+        except TypeError:
+            takes_two = False
+        except ValueError:  # no signature to read (a builtin): its first call tells
+            pass
+    if takes_two:
+        return
+    kind = type(value).__name__
+    if callable(getattr(value, "learning_rate_factor", None)):
+        msg = (
+            f"{name}: {kind} is an epoch schedule (one factor per epoch): pass it as "
+            "learning_rate_schedule; a step schedule has factor(epoch, step) (see lamploop.schedules.step)"
+        )
+    else:
+        msg = f"{name} must have factor(epoch, step) (see lamploop.schedules.step), got {kind}"
+    raise ConfigurationError(msg)
 
 
 def check_step_factor(schedule: StepSchedule, epoch: int, step: int) -> float:

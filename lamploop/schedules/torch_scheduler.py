@@ -48,7 +48,8 @@ def make_lr_scheduler(
     """The scheduler over ``optimizer``, going on from ``saved`` (a checkpoint's) when given.
 
     Raises:
-        ConfigurationError: the factory gave something that is not a scheduler.
+        ConfigurationError: the factory gave something that is not a scheduler, or a
+            ``ReduceLROnPlateau`` (it steps on a metric; lamploop's ``reduce_lr_on_plateau`` serves).
     """
     # Making a scheduler sets the hyperparameters of its first step (OneCycleLR: the rate and
     # the momentum); a resumed optimizer already holds the checkpoint's: keep those.
@@ -61,6 +62,13 @@ def make_lr_scheduler(
                 f"{type(scheduler).__name__} (no {member}())"
             )
             raise ConfigurationError(msg)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # step(metrics): no count
+        msg = (
+            "lr_scheduler: ReduceLROnPlateau steps on a metric, which lamploop does not pass to a "
+            "PyTorch scheduler; use learning_rate_schedule=lamploop.schedules.reduce_lr_on_plateau(...), "
+            "which reads the validation loss and goes into checkpoints"
+        )
+        raise ConfigurationError(msg)
     if saved is not None:
         scheduler.load_state_dict(dict(saved))
         for group, resumed in zip(optimizer.param_groups, resumed_groups, strict=True):

@@ -410,3 +410,75 @@ def test_plateau_state_round_trips_through_json(losses: list[float | None]) -> N
         assert type(back) is schedules.PlateauState
         # and the restored state drives the schedule identically
         assert schedule.learning_rate_factor(back, 99, 0.5) == schedule.learning_rate_factor(s, 99, 0.5)
+
+
+BUILDERS = {
+    "decrement": (schedules.decrement, {"every": 1, "fraction": 0.5}),
+    "linear": (schedules.linear, {"start": 1.0, "end": 0.0, "max_steps": 3}),
+    "step_after": (schedules.step_after, {"steps": 2, "factor": 0.1}),
+    "cyclic": (schedules.cyclic, {"max_factor": 2.0, "period_length": 4}),
+    "reduce_lr_on_plateau": (schedules.reduce_lr_on_plateau, {"patience": 1}),
+}
+
+
+@pytest.mark.parametrize(
+    ("builder", "argument"),
+    [
+        (name, argument)
+        for name, (_, good) in BUILDERS.items()
+        for argument in (
+            good
+            if name != "reduce_lr_on_plateau"
+            else (
+                "start_factor",
+                "reduce_factor",
+                "patience",
+                "threshold",
+                "min_factor",
+                "validation_frequency",
+            )
+        )
+    ],
+)
+@pytest.mark.parametrize("bad", ["x", None, math.nan, True], ids=["str", "None", "nan", "bool"])
+def test_a_schedule_argument_that_is_not_a_number_is_named_in_a_configuration_error(
+    builder: str, argument: str, bad: object
+) -> None:
+    """Not a raw TypeError from a comparison deep inside (or, for linear's start, no check at all)."""
+    make, good = BUILDERS[builder]
+    with pytest.raises(ConfigurationError, match=rf"{builder}: {argument}"):
+        make(**{**good, argument: bad})
+
+
+def test_an_epoch_function_that_returns_no_number_is_named() -> None:
+    def forgot_to_return(epoch: int) -> float:
+        epoch * 0.5  # the mistake under test: no return
+
+    schedule = schedules.from_epoch_count(forgot_to_return)
+    with pytest.raises(ConfigurationError, match=r"forgot_to_return\(3\) returned None, not a number"):
+        schedule.learning_rate_factor(schedule.init(), 3, None)
+
+
+@pytest.mark.parametrize("make", [schedules.warmup_cosine, schedules.warmup_linear])
+def test_a_schedule_that_is_all_warm_up_is_at_final_from_total_steps_on(make: Any) -> None:
+    schedule = make(warmup_steps=3, total_steps=3, steps_per_epoch=3, final=0.25)
+    assert [schedule.factor(e, s) for e in range(2) for s in range(3)] == [
+        1 / 3,
+        2 / 3,
+        1.0,
+        0.25,
+        0.25,
+        0.25,
+    ]
+
+
+def test_an_epoch_schedule_given_as_the_step_schedule_is_refused_before_training() -> None:
+    from lamploop.schedules.step import check_step_schedule
+
+    with pytest.raises(
+        ConfigurationError, match=r"Linear is an epoch schedule .*pass it as learning_rate_schedule"
+    ):
+        check_step_schedule("step_schedule", schedules.linear(1.0, 0.5, 2))
+    check_step_schedule(
+        "step_schedule", schedules.warmup_cosine(warmup_steps=1, total_steps=4, steps_per_epoch=2)
+    )

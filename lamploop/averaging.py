@@ -30,19 +30,47 @@ from lamploop.model import unwrapped
 __all__ = ["EMA", "SWA", "Averaging", "WeightAverage", "ema", "install_average", "swa"]
 
 
+def _check_decay(where: str, decay: object) -> float:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        msg = f"{where}: decay must be a number in (0, 1), got {decay!r}"
+        raise ConfigurationError(msg)
+    return float(decay)
+
+
+def _check_start_epoch(where: str, start_epoch: object) -> int:
+    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 0:
+        msg = f"{where}: start_epoch must be an int >= 0, got {start_epoch!r}"
+        raise ConfigurationError(msg)
+    return start_epoch
+
+
+def _valid_decay(_: object, __: attrs.Attribute[float], value: object) -> None:
+    _check_decay("EMA", value)
+
+
+def _valid_start_epoch(_: object, __: attrs.Attribute[int], value: object) -> None:
+    _check_start_epoch("SWA", value)
+
+
+def _valid_refresh(_: object, __: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        msg = f"SWA: refresh_batchnorm must be a bool, got {value!r}"
+        raise ConfigurationError(msg)
+
+
 @attrs.frozen
 class EMA:
-    """Exponential moving average after every optimizer step."""
+    """Exponential moving average after every optimizer step (``decay`` in ``(0, 1)``, checked)."""
 
-    decay: float
+    decay: float = attrs.field(validator=_valid_decay)
 
 
 @attrs.frozen
 class SWA:
-    """Equal-weight average at the end of every epoch from ``start_epoch`` on."""
+    """Equal-weight average at the end of every epoch from ``start_epoch`` on (an int >= 0, checked)."""
 
-    start_epoch: int
-    refresh_batchnorm: bool = True
+    start_epoch: int = attrs.field(validator=_valid_start_epoch)
+    refresh_batchnorm: bool = attrs.field(default=True, validator=_valid_refresh)
 
 
 Averaging: TypeAlias = EMA | SWA
@@ -54,22 +82,16 @@ def ema(decay: float) -> EMA:
     Raises:
         ConfigurationError: ``decay`` outside ``(0, 1)``.
     """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-        msg = f"ema: decay must be a number in (0, 1), got {decay!r}"
-        raise ConfigurationError(msg)
-    return EMA(float(decay))
+    return EMA(_check_decay("ema", decay))
 
 
 def swa(start_epoch: int, *, refresh_batchnorm: bool = True) -> SWA:
     """Stochastic weight averaging from epoch ``start_epoch`` on.
 
     Raises:
-        ConfigurationError: ``start_epoch`` is not an int >= 0.
+        ConfigurationError: ``start_epoch`` is not an int >= 0, or ``refresh_batchnorm`` not a bool.
     """
-    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 0:
-        msg = f"swa: start_epoch must be an int >= 0, got {start_epoch!r}"
-        raise ConfigurationError(msg)
-    return SWA(start_epoch, refresh_batchnorm)
+    return SWA(_check_start_epoch("swa", start_epoch), refresh_batchnorm)
 
 
 class WeightAverage:

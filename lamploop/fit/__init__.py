@@ -50,7 +50,7 @@ from lamploop.loop.epoch_driver import ALL_EPOCHS
 from lamploop.loop.non_finite import NonFiniteLossPolicy
 from lamploop.loop.precision import Precision
 from lamploop.loop.profiler import Profile
-from lamploop.loop.selection import SelectionMode
+from lamploop.loop.selection import SelectionMode, check_selection_metric
 from lamploop.loop.stop_aware import stop_aware_batches
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import model_spec
@@ -227,6 +227,7 @@ async def fit_async(
         )
         check_early_stopping("fit", early_stopping_patience, validation_batches)
         settings = TrainingSettings.from_arguments(locals())
+        check_selection_metric("fit", settings.model_selection_metric, model)
         check_sharded_strategy("fit", settings)  # before any rank starts
         extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
         # Place: this process's rank and device.

@@ -15,7 +15,13 @@ import attrs
 from lamploop.errors import ConfigurationError
 from lamploop.state import LearningCurveEntry, LoopState
 
-__all__ = ["ModelSelection", "SelectionMode", "smoothed_metrics", "validations_since_best"]
+__all__ = [
+    "ModelSelection",
+    "SelectionMode",
+    "check_selection_metric",
+    "smoothed_metrics",
+    "validations_since_best",
+]
 
 SelectionMode: TypeAlias = Literal["min", "max"]
 
@@ -64,6 +70,22 @@ class ModelSelection:
         if best is None:
             return True
         return value < best if self.mode == "min" else value > best
+
+
+def check_selection_metric(where: str, metric: str | None, model: object) -> None:
+    """Before training: a ConfigurationError if ``metric`` is not among ``model``'s metrics.
+
+    ``model.metrics`` (a :class:`~lamploop.model.SupervisedModel`'s) names what every
+    validation reports; a model without that mapping is judged at the first validation.
+    """
+    names = getattr(model, "metrics", None)
+    if metric is None or not isinstance(names, Mapping) or metric in names:
+        return
+    msg = (
+        f"{where}: model_selection_metric {metric!r} is not among the model's metrics {sorted(names)} "
+        "(give the model that metric: SupervisedModel(..., metrics={...}))"
+    )
+    raise ConfigurationError(msg)
 
 
 def validations_since_best(

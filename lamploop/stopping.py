@@ -35,6 +35,7 @@ import anyio.lowlevel
 from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
 from lamploop.forked_children import signals_stay_with_this_process
+from lamploop.loop.pass_totals import SIGNAL_TURNS
 from lamploop.loop.stop_request import StopRequest
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import PeerLost, RunFailed, RunStopped
@@ -55,9 +56,6 @@ logger = logging.getLogger("lamploop")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_SIGNAL_TURNS = 8
-"""Turns of the event loop that hand a signal waiting in its wake-up socket to the watcher
-(three suffice with asyncio: read the socket, run the handler, wake the watcher)."""
 
 _POLL_S = 0.1
 """How often a run off the main thread looks for a request to stop at once."""
@@ -332,7 +330,7 @@ async def stop_if_requested_before_training(stop: StopRequest, epoch: int) -> No
     Raises:
         TrainingInterrupted: a stop was requested (nothing was written).
     """
-    for _ in range(_SIGNAL_TURNS):
+    for _ in range(SIGNAL_TURNS):
         await anyio.lowlevel.checkpoint()
     if stop.is_set():
         msg = (

@@ -64,6 +64,12 @@ def check_reporters(where: str, reporters: Any) -> None:
         msg = f"{where}: reporters must be a list of reporters, got {type(reporters).__name__}"
         raise ConfigurationError(msg)
     for i, reporter in enumerate(reporters):
+        if isinstance(reporter, type):  # the class, whose report() lacks its self
+            msg = (
+                f"{where}: reporters[{i}] is the class {reporter.__qualname__}, not a reporter; "
+                f"make one: {reporter.__qualname__}(...)"
+            )
+            raise ConfigurationError(msg)
         if not callable(getattr(reporter, "report", None)):
             msg = (
                 f"{where}: reporters[{i}] ({reporter!r}) has no report(event) method; pass a reporter "

@@ -191,7 +191,8 @@ async def fit_async(
             match the resumed pass, which replays the epoch's first batches.
 
     SIGTERM or SIGINT (on the main thread; on any rank) stops every rank after the step in
-    progress; with ``checkpoint_dir`` a checkpoint of that step boundary is written, from
+    progress (one rank whose steps are under 20 ms: within 20 ms of the signal, see
+    docs/loop.md); with ``checkpoint_dir`` a checkpoint of that step boundary is written, from
     which the next run resumes exactly there.  During a validation pass the run stops at the
     epoch's end, after its checkpoint (a validation stream that waits for samples ends on the
     request, and the validation cut short is discarded: the epoch is not finished).  Before

@@ -11,15 +11,26 @@ import anyio.to_thread
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.sync.channel import TensorChannel
 
-__all__ = ["Yielder", "epoch_totals", "pass_totals"]
+__all__ = ["SIGNAL_TURNS", "Yielder", "epoch_totals", "pass_totals"]
 
 _YIELD_EVERY_S = 0.02
 """Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
 a turn at least this often."""
 
 
+SIGNAL_TURNS = 8
+"""Turns of the event loop that hand a signal waiting in its wake-up socket to the run's stop
+request (three suffice with asyncio: read the socket, run the handler, wake the watcher)."""
+
+
 class Yielder:
-    """Awaited after each batch: lets other tasks run at least every ``_YIELD_EVERY_S``."""
+    """Awaited after each batch: lets other tasks run at least every ``_YIELD_EVERY_S``.
+
+    Each time it yields it gives the loop :data:`SIGNAL_TURNS` turns, so that a SIGTERM or
+    SIGINT that came meanwhile has set the stop request when the pass next looks at it: a
+    pass that never waits (batches in memory, one rank) gives the loop no other turn, and
+    the request would otherwise wait for the end of the epoch.  About 60 µs every 20 ms.
+    """
 
     def __init__(self) -> None:
         self._last = time.monotonic()
@@ -28,7 +39,8 @@ class Yielder:
         now = time.monotonic()
         if now - self._last >= _YIELD_EVERY_S:
             self._last = now
-            await anyio.lowlevel.checkpoint()
+            for _ in range(SIGNAL_TURNS):
+                await anyio.lowlevel.checkpoint()
 
 
 async def epoch_totals(

@@ -155,8 +155,10 @@ class TrainingPass:
             if times is not None:
                 times.backward_done()
             if self.single:
+                # One rank looks at its requests after the step (below): a stop requested while
+                # the step ran ends the pass at the step's own boundary.
                 global_count, checkpoint, stop = group_count, 0, 0
-                if self.boundary is not None:
+                if self.boundary is not None and global_count == 0:
                     checkpoint, stop = self.boundary.requests(self.steps_done)
                 step_losses = self._local_step_losses()
             else:
@@ -195,6 +197,9 @@ class TrainingPass:
                 self.profiler.step()
             if self.after_step is not None:
                 self.after_step(global_count, sum(step_losses) if step_losses else self._step_loss())
+            if self.single and self.boundary is not None:
+                await yield_now()  # a signal that came during the step reaches the request now
+                checkpoint, stop = self.boundary.requests(self.steps_done - 1)
             if (checkpoint or stop) and self.boundary is not None:
                 began = time.perf_counter()
                 await self._at_boundary(sync, stop=bool(stop))

@@ -38,6 +38,8 @@ import torch
 
 from lamploop.errors import ConfigurationError
 from lamploop.federated.checkpoints import load_round_checkpoint
+from lamploop.federated.fedavg import averaged_names
+from lamploop.federated.models import BUILT_IN_BUILDERS, build_model
 from lamploop.federated.node_listener import NodeEvent, NodeListener
 from lamploop.federated.plan import TrainingPlan, plan_hash
 from lamploop.federated.records import FederatedResult, RoundRecord
@@ -46,6 +48,7 @@ from lamploop.federated.round_loop import finite as finite  # defined here befor
 from lamploop.federated.settings import AggregatorSettings
 from lamploop.modelspec import describe_mismatch, model_spec
 from lamploop.transport.proofs import check_token
+from lamploop.transport.settings import check_int_in
 from lamploop.transport.tls import check_context
 
 __all__ = ["AggregatorSettings", "run_aggregator"]
@@ -68,6 +71,27 @@ def _initial_state(
         msg = f"run_aggregator: the initial model does not fit the plan: {mismatch}"
         raise ConfigurationError(msg)
     return tensors
+
+
+def _averaged_names(
+    model: torch.nn.Module | Mapping[str, torch.Tensor], plan: TrainingPlan
+) -> frozenset[str]:
+    """The tensors the plan's ``average`` covers: from the initial module, else from the model built here.
+
+    The aggregator needs no builder of its own: an architecture only the nodes register is
+    told apart (parameters, buffers) by the initial model given as a module.
+    """
+    if isinstance(model, torch.nn.Module):
+        return averaged_names(model, plan.average)
+    if plan.average == "parameters_and_buffers":
+        return frozenset(model)
+    if plan.model.architecture not in BUILT_IN_BUILDERS:
+        msg = (
+            f"run_aggregator: architecture {plan.model.architecture!r} is not built in here: pass "
+            "initial_model as the module, whose parameters tell which tensors average='parameters' covers"
+        )
+        raise ConfigurationError(msg)
+    return averaged_names(build_model(plan.model), plan.average)
 
 
 async def run_aggregator(
@@ -115,7 +139,9 @@ async def run_aggregator(
         raise ConfigurationError(msg)
     secret = check_token(token)
     context = check_context("ssl_context", ssl_context, server_side=True)
+    check_int_in("run_aggregator: port", port, 0, 65535)
     model = _initial_state(initial_model, plan)
+    names = _averaged_names(initial_model, plan)
     digest = plan_hash(plan)
     rounds: tuple[RoundRecord, ...] = ()
     if settings.checkpoint_dir is not None:
@@ -125,7 +151,7 @@ async def run_aggregator(
             logger.info("resuming after round %d from %s", len(rounds) - 1, settings.checkpoint_dir)
     send_events, receive_events = anyio.create_memory_object_stream[NodeEvent](1024)
     listener = NodeListener(secret, settings, context, send_events)
-    loop = RoundLoop(plan, settings, receive_events, model, rounds, on_round)
+    loop = RoundLoop(plan, settings, receive_events, model, rounds, names, on_round)
     failure: Exception | None = None
     try:
         async with anyio.create_task_group() as tg, send_events, receive_events:

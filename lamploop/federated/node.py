@@ -57,6 +57,7 @@ from lamploop.federated.settings import NodeSettings
 from lamploop.federated.wire import Finish, Refuse, RoundRefused, RoundReply, RoundTask, check_node_name
 from lamploop.transport.connection import explain
 from lamploop.transport.proofs import check_token
+from lamploop.transport.settings import check_int_in
 from lamploop.transport.tls import check_context, wrap
 
 __all__ = ["NodeSettings", "NodeSummary", "run_node"]
@@ -122,6 +123,7 @@ async def run_node(
     reason = check_node_name(name)
     if reason is not None:
         raise ConfigurationError(reason)
+    check_int_in("run_node: port", port, 1, 65535)
     secret = check_token(token)
     context = check_context("ssl_context", ssl_context, server_side=False)
     if not callable(train_batches) or not (validation_batches is None or callable(validation_batches)):

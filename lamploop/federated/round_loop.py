@@ -27,9 +27,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from lamploop.errors import FederatedError, PlanNotApprovedError, TransportError
 from lamploop.federated.checkpoints import save_round_checkpoint
-from lamploop.federated.fedavg import averaged_names, federated_average
+from lamploop.federated.fedavg import federated_average
 from lamploop.federated.link import Link
-from lamploop.federated.models import build_model
 from lamploop.federated.node_listener import NodeEvent, NodeJoined, NodeLost
 from lamploop.federated.plan import TrainingPlan, plan_hash, plan_to_json
 from lamploop.federated.records import MissingNode, NodeReport, RoundRecord, pooled
@@ -52,6 +51,7 @@ class RoundLoop:
         events: MemoryObjectReceiveStream[NodeEvent],
         model: dict[str, torch.Tensor],
         rounds: tuple[RoundRecord, ...],
+        names: frozenset[str],
         on_round: Callable[[RoundRecord], object] | None = None,
     ) -> None:
         self.plan, self.settings, self.events = plan, settings, events
@@ -62,7 +62,7 @@ class RoundLoop:
         self.model = model
         self.records = list(rounds)
         self.not_approved: set[str] = set()  # nodes that refused the plan's hash
-        self.names = averaged_names(build_model(plan.model), plan.average)
+        self.names = names  # the tensors FedAvg averages (the others keep the global model's)
         self.spec = model_spec(model)  # every round's global model's: FedAvg keeps names, shapes, dtypes
 
     def _track(self, event: NodeEvent) -> None:

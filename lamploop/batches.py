@@ -174,7 +174,17 @@ def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchSt
 
     def factory(context: BatchContext) -> BatchStream:
         async def stream() -> AsyncIterator[Batch]:
-            for batch in make(context):
+            made = make(context)
+            try:
+                batches = iter(made)
+            except TypeError:
+                name = getattr(make, "__qualname__", type(make).__name__)
+                msg = (
+                    f"iterable_batches: epoch {context.epoch}: {name} returned {type(made).__name__}, "
+                    "not an iterable of batches"
+                )
+                raise ConfigurationError(msg) from None
+            for batch in batches:
                 yield batch
 
         return stream()

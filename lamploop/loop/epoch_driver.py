@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from lamploop.checks import check_callable, check_epochs_container, check_int, check_smoothing
+from lamploop.checks import check_callable, check_epochs_container, check_int, check_schedule, check_smoothing
 from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhausted
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
@@ -65,6 +65,7 @@ def _validate(
         check_int("max_epochs", max_epochs, 0)
         check_int("validation_frequency", validation_frequency, 1)
         check_smoothing(smoothing)
+        check_schedule("learning_rate_schedule", schedule)
     except ConfigurationError as exc:
         msg = f"epochs: {exc}"
         raise ConfigurationError(msg) from None
@@ -288,7 +289,7 @@ async def epochs(
             value = selection.value(validation, validation_metrics, epoch)
             if epoch in return_min_validation_loss_model and selection.improves(value, best):
                 best, best_epoch = value, epoch
-                await save_min_validation_loss_model()
+                await _awaited(save_min_validation_loss_model(), "save_min_validation_loss_model", epoch)
         state = attrs.evolve(
             state,
             epoch=epoch + 1,
@@ -308,7 +309,7 @@ async def epochs(
             ),
         )
         if checkpoint_state is not None:
-            await checkpoint_state(state, schedule_state)
+            await _awaited(checkpoint_state(state, schedule_state), "checkpoint_state", epoch)
 
 
 def _end_reason(

@@ -169,6 +169,17 @@ class TrainingPass:
                 if self.pads:
                     more, *step_losses = step_losses
                     self.any_more = more > 0
+            if global_count == 0 and len(self.losses) > self.step_first:
+                # Batches came but their loss counted no example: a step that counts none is
+                # the end of the pass, which would drop the rest of the epoch without a word.
+                first = self.first_index + self.step_first
+                msg = (
+                    f"epoch {self.epoch}, batch {first}, rank {self.rank}: the loss counted 0 examples "
+                    f"in this step's {len(self.losses) - self.step_first} batch(es) (on every rank); "
+                    "a step that counts none ends the pass, so every step must count at least one "
+                    "example (leave out batches whose examples are all masked)"
+                )
+                raise BatchError(msg)
             if global_count == 0:
                 if stop and self.boundary is not None:
                     # Every rank waited for a batch when a stop was requested (no producer yet,

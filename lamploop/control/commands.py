@@ -22,34 +22,74 @@ heard everywhere through ``wait_for_stop_request`` (see :func:`lamploop.stopping
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol, TypeAlias, runtime_checkable
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
-__all__ = ["Command", "ControlFollower", "ControlRoot", "Rendezvous", "Stop", "Train", "Valid"]
+from lamploop.errors import ConfigurationError
+
+__all__ = ["Command", "ControlFollower", "ControlRoot", "Rendezvous", "Stop", "Train", "Valid", "check_command"]
+
+
+_Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _bad(command: object, attribute: attrs.Attribute[Any], value: object, wanted: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{type(command).__name__}.{attribute.name} must be {wanted}, got {value!r:.60}"
+    )
+
+
+def _int_in(low: int, high: float = math.inf) -> _Validator:
+    """An int (not a bool) in ``[low, high]``: a command's fields are checked as it is made."""
+
+    def check(command: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise _bad(command, attribute, value, f"an int in [{low}, {high}]")
+
+    return check
+
+
+def _finite(command: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A finite real number: NaN crosses no JSON frame, so neither channel may carry one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(command, attribute, value, "a finite number")
+
+
+def _text(command: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str):
+        raise _bad(command, attribute, value, "a str")
+
+
+def check_command(command: object) -> None:
+    """Raise TypeError unless ``command`` is a :data:`Command` (what either root may broadcast)."""
+    if not isinstance(command, (Train, Valid, Stop)):
+        msg = f"a command is Train, Valid or Stop, got {type(command).__name__}"
+        raise TypeError(msg)
 
 
 @attrs.frozen
 class Train:
     """Run training epoch ``epoch`` with every param group's base lr multiplied by ``lr_factor``."""
 
-    epoch: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
-    lr_factor: float = attrs.field(validator=attrs.validators.instance_of((int, float)))
+    epoch: int = attrs.field(validator=_int_in(0))
+    lr_factor: float = attrs.field(validator=_finite)
 
 
 @attrs.frozen
 class Valid:
     """Run a forward-only validation pass after training epoch ``epoch``."""
 
-    epoch: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    epoch: int = attrs.field(validator=_int_in(0))
 
 
 @attrs.frozen
 class Stop:
     """Training is over (``reason`` says why, for logs); nothing follows it."""
 
-    reason: str = attrs.field(validator=attrs.validators.instance_of(str))
+    reason: str = attrs.field(validator=_text)
 
 
 Command: TypeAlias = Train | Valid | Stop
@@ -60,10 +100,8 @@ Command: TypeAlias = Train | Valid | Stop
 class Rendezvous:
     """Where the root's ``torch.distributed.TCPStore`` listens; followers join the tensor channel there."""
 
-    host: str = attrs.field(validator=attrs.validators.instance_of(str))
-    port: int = attrs.field(
-        validator=[attrs.validators.instance_of(int), attrs.validators.ge(0), attrs.validators.le(65535)]
-    )
+    host: str = attrs.field(validator=_text)
+    port: int = attrs.field(validator=_int_in(0, 65535))
 
 
 @runtime_checkable

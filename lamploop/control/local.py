@@ -41,7 +41,7 @@ import anyio.lowlevel
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from lamploop.control.commands import Command, Rendezvous, Stop
+from lamploop.control.commands import Command, Rendezvous, Stop, check_command
 from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError, PeerLostError
 
 __all__ = ["MAX_UNREAD_COMMANDS", "LocalControlFollower", "LocalControlRoot", "local_control"]
@@ -217,7 +217,9 @@ class LocalControlRoot:
                 nothing is sent then.
             ControlChannelError: called before :meth:`on_rendezvous_ready`, after ``Stop``
                 or after closing, or a follower has :data:`MAX_UNREAD_COMMANDS` unread commands.
+            TypeError: ``command`` is not a Train, Valid or Stop (as over TCP).
         """
+        check_command(command)
         self._check_open("broadcast()")
         if not self._rendezvous_sent:
             msg = "broadcast() before on_rendezvous_ready(): the followers have not all joined"

@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 from anyio.abc import TaskStatus
 
-from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
+from lamploop.control.commands import Command, Rendezvous, Stop, check_command
 from lamploop.control.connection import Connection, Gone, abort_message
 from lamploop.control.root_admission import FollowerAdmission
 from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
@@ -224,9 +224,7 @@ class TcpControlRoot:
                 :class:`Stop`, or the channel failed otherwise.
             TypeError: ``command`` is not a Train, Valid or Stop.
         """
-        if not isinstance(command, (Train, Valid, Stop)):
-            msg = f"a command is Train, Valid or Stop, got {type(command).__name__}"
-            raise TypeError(msg)
+        check_command(command)
         self._sup.raise_failure()
         if not self._rendezvous_sent or self._stop_sent:
             state = "after Stop" if self._stop_sent else "before on_rendezvous_ready()"

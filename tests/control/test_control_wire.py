@@ -33,7 +33,7 @@ from lamploop.control.wire import (
     proof_matches,
     root_proof,
 )
-from lamploop.errors import FrameError
+from lamploop.errors import ConfigurationError, FrameError
 from lamploop.modelspec import ModelSpec, TensorSpec
 
 pytestmark = pytest.mark.timeout(30)
@@ -194,9 +194,15 @@ def test_the_default_limit_fits_a_large_model_spec() -> None:
         ),
         (b'{"type": "train", "epoch": true, "lr_factor": 1.0}', r"expected an integer, got bool"),
         (b'{"type": "train", "epoch": 1.5, "lr_factor": 1.0}', r"expected an integer, got float"),
-        (b'{"type": "train", "epoch": -1, "lr_factor": 1.0}', "'epoch' must be >= 0: -1"),
+        (
+            b'{"type": "train", "epoch": -1, "lr_factor": 1.0}',
+            r"Train.epoch must be an int in \[0, inf\], got -1",
+        ),
         (b'{"type": "train", "epoch": 1, "lr_factor": "fast"}', "expected a number"),
-        (b'{"type": "rendezvous", "host": "h", "port": 70000}', "'port' must be <= 65535"),
+        (
+            b'{"type": "rendezvous", "host": "h", "port": 70000}',
+            r"Rendezvous.port must be an int in \[0, 65535\]",
+        ),
         (b'{"type": "heartbeat", "beat": 1}', "Extra fields"),
         (hello_body(model_spec=[["w", [-1], "float32"]]), "a model spec entry is"),
         (hello_body(model_spec=[["w", [1], "float32", "extra"]]), "a model spec entry is"),
@@ -221,8 +227,14 @@ def test_messages_before_a_bad_frame_are_not_lost_but_the_decoder_stops_after_it
 
 
 def test_non_finite_numbers_cannot_be_encoded() -> None:
+    # A command refuses a non-finite factor itself (no channel could carry it as JSON) ...
+    with pytest.raises(ConfigurationError, match=r"Train\.lr_factor must be a finite number, got inf"):
+        Train(epoch=0, lr_factor=float("inf"))
+    # ... and a message that holds one anyway is refused by the encoder.
+    hacked = Train(epoch=0, lr_factor=1.0)
+    object.__setattr__(hacked, "lr_factor", float("nan"))
     with pytest.raises(FrameError, match="cannot encode 'train' message"):
-        encode_frame(Train(epoch=0, lr_factor=float("inf")))
+        encode_frame(hacked)
 
 
 def test_only_control_messages_can_be_encoded() -> None:

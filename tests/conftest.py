@@ -52,12 +52,13 @@ SLOWEST_MODULES = (
     "test_stop_dataloader",
     "test_acceptance_docs_fsdp",
     "test_sync_state",
+    "test_acceptance_docs_streaming_r2",
     "test_stream_ranks",
     "test_cli",
     "test_acceptance_rows_window",
 )
-"""The modules that took longest in the parallel phase (40-106 s each, 2026-11-28), slowest
-first. They run first: pytest-xdist's ``loadfile`` hands out modules in collection order, and
+"""The modules that took longest in the parallel phase (40-106 s each, 2026-11-28 and -29),
+slowest first. They run first: pytest-xdist's ``loadfile`` hands out modules in collection order, and
 one of these handed out last would leave the other workers idle while it runs."""
 
 

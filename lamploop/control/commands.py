@@ -30,7 +30,16 @@ import attrs
 
 from lamploop.errors import ConfigurationError
 
-__all__ = ["Command", "ControlFollower", "ControlRoot", "Rendezvous", "Stop", "Train", "Valid", "check_command"]
+__all__ = [
+    "Command",
+    "ControlFollower",
+    "ControlRoot",
+    "Rendezvous",
+    "Stop",
+    "Train",
+    "Valid",
+    "check_command",
+]
 
 
 _Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]

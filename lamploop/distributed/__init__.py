@@ -16,9 +16,11 @@
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.distributed.local_parallel import local_data_parallel_training_loop
+from lamploop.loop.stop_request import StopRequest
 
 __all__ = [
     "OptimizerFactory",
+    "StopRequest",
     "drive_distributed_training",
     "follow_distributed_training",
     "local_data_parallel_training_loop",

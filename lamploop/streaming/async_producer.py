@@ -252,18 +252,25 @@ class AsyncProducer(ProducerConnectionLoop):
         (:attr:`next_seq` tells how many).
         """
         seqs: list[int] = []
-        chunk: list[bytes] = []
+        chunk: list[bytes] = []  # encoded, not handed to _submit_many yet
         size = 0
-        for tensors in samples:
-            self._check_open("send()")
-            payload = encode_tensors(tensors)
-            self._outbox.check_size(self._outbox.next_seq, payload)
-            chunk.append(payload)
-            size += len(payload)
-            if len(chunk) >= HANDOVER_SAMPLES or size >= HANDOVER_BYTES:
-                first = await self._submit_many(chunk)
-                seqs.extend(range(first, first + len(chunk)))
-                chunk, size = [], 0
+        try:
+            for tensors in samples:
+                self._check_open("send()")
+                payload = encode_tensors(tensors)
+                self._outbox.check_size(self._outbox.next_seq, payload)
+                chunk.append(payload)
+                size += len(payload)
+                if len(chunk) >= HANDOVER_SAMPLES or size >= HANDOVER_BYTES:
+                    handed, chunk, size = chunk, [], 0
+                    first = await self._submit_many(handed)
+                    seqs.extend(range(first, first + len(handed)))
+        except Exception:
+            # A sample that cannot be sent (or the iterable failing) ends the call; the samples
+            # before it are kept, as the docstring says (a cancellation keeps nothing more).
+            if chunk and self._sup.failure is None:
+                await self._submit_many(chunk)
+            raise
         if chunk:
             first = await self._submit_many(chunk)
             seqs.extend(range(first, first + len(chunk)))

@@ -1143,7 +1143,12 @@ def check_configuration_error(error: BaseException, name: str) -> None:
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize(("bad", "name"), BAD_ROOT, ids=[repr(b) for b, _ in BAD_ROOT])
+def _case_id(bad: dict[str, Any]) -> str:
+    """A test id that is the same in every process (an object()'s repr holds its address)."""
+    return ",".join(f"{k}={'object()' if type(v) is object else repr(v)}" for k, v in bad.items())
+
+
+@pytest.mark.parametrize(("bad", "name"), BAD_ROOT, ids=[_case_id(b) for b, _ in BAD_ROOT])
 def test_bad_root_arguments_are_configuration_errors(bad: dict[str, Any], name: str) -> None:
     """TcpControlRoot: 'ConfigurationError: an argument is out of range'; errors.py: 'Each
     message names the offending value'."""
@@ -1153,7 +1158,7 @@ def test_bad_root_arguments_are_configuration_errors(bad: dict[str, Any], name: 
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize(("bad", "name"), BAD_FOLLOWER, ids=[repr(b) for b, _ in BAD_FOLLOWER])
+@pytest.mark.parametrize(("bad", "name"), BAD_FOLLOWER, ids=[_case_id(b) for b, _ in BAD_FOLLOWER])
 def test_bad_follower_arguments_are_configuration_errors(bad: dict[str, Any], name: str) -> None:
     """TcpControlFollower: 'ConfigurationError: an argument is out of range' (rank in 1..nranks-1)."""
     with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is checked below

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 import attrs
 import torch
 
+from lamploop.checks import check_bool, check_int, int_at_least
 from lamploop.errors import ConfigurationError
 from lamploop.model import unwrapped
 
@@ -37,25 +38,12 @@ def _check_decay(where: str, decay: object) -> float:
     return float(decay)
 
 
-def _check_start_epoch(where: str, start_epoch: object) -> int:
-    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 0:
-        msg = f"{where}: start_epoch must be an int >= 0, got {start_epoch!r}"
-        raise ConfigurationError(msg)
-    return start_epoch
-
-
 def _valid_decay(_: object, __: attrs.Attribute[float], value: object) -> None:
     _check_decay("EMA", value)
 
 
-def _valid_start_epoch(_: object, __: attrs.Attribute[int], value: object) -> None:
-    _check_start_epoch("SWA", value)
-
-
-def _valid_refresh(_: object, __: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        msg = f"SWA: refresh_batchnorm must be a bool, got {value!r}"
-        raise ConfigurationError(msg)
+def _valid_refresh(_: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    check_bool(f"SWA: {attribute.name}", value)
 
 
 @attrs.frozen
@@ -69,7 +57,7 @@ class EMA:
 class SWA:
     """Equal-weight average at the end of every epoch from ``start_epoch`` on (an int >= 0, checked)."""
 
-    start_epoch: int = attrs.field(validator=_valid_start_epoch)
+    start_epoch: int = attrs.field(validator=int_at_least("SWA", 0))
     refresh_batchnorm: bool = attrs.field(default=True, validator=_valid_refresh)
 
 
@@ -91,7 +79,7 @@ def swa(start_epoch: int, *, refresh_batchnorm: bool = True) -> SWA:
     Raises:
         ConfigurationError: ``start_epoch`` is not an int >= 0, or ``refresh_batchnorm`` not a bool.
     """
-    return SWA(_check_start_epoch("swa", start_epoch), refresh_batchnorm)
+    return SWA(check_int("swa: start_epoch", start_epoch, 0), refresh_batchnorm)
 
 
 class WeightAverage:

@@ -139,6 +139,15 @@ def check_positive(name: str, value: object) -> float:
     return float(value)
 
 
+def check_finite(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite real number (not a bool), else ConfigurationError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        msg = f"{name} must be a finite number, got {value!r:.60}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
 def check_smoothing(value: object) -> float:
     """The exponential smoothing factor of the validation loss, in ``(0, 1]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:

@@ -35,8 +35,7 @@ import anyio.lowlevel
 from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
 from lamploop.forked_children import signals_stay_with_this_process
-from lamploop.loop.pass_totals import SIGNAL_TURNS
-from lamploop.loop.stop_request import StopRequest
+from lamploop.loop.stop_request import SIGNAL_TURNS, StopRequest
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import PeerLost, RunFailed, RunStopped
 

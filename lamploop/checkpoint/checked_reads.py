@@ -116,7 +116,7 @@ def _load_file(directory: pathlib.Path, descriptor: _Descriptor, file: str) -> d
     """Check a file's size and sha256 against the descriptor, then parse it."""
     path = directory / file
     record = descriptor.files.get(file)
-    if record is None:  # check_records ran first: a caller's own file name
+    if record is None:  # not after check_records, which refuses a needed file without a record
         msg = f"{directory / DESCRIPTOR_NAME}: lists no sha256 and size for {file}"
         raise CheckpointError(msg)
     problem = check_file(directory, file, record).problem

@@ -173,13 +173,15 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
         in_index = {check.name for check in sharded if check.note is None}
         present = [name for name in present if name not in in_index]
     descriptor: _Descriptor | None = None
-    descriptor_problems: list[str] = []
     try:
         descriptor = read_descriptor(descriptor_path)
-        descriptor_problem = None
+        # Its own problems, in load_checkpoint's words (one check for both).
+        descriptor_problems = record_problems(descriptor)
     except CheckpointError as e:
-        descriptor_problem = str(e).removeprefix(f"{descriptor_path}: ")
-    files = [FileCheck(DESCRIPTOR_NAME, file_size(descriptor_path), problem=descriptor_problem)]
+        descriptor_problems = [str(e).removeprefix(f"{descriptor_path}: ")]
+    files = [
+        FileCheck(DESCRIPTOR_NAME, file_size(descriptor_path), problem="; ".join(descriptor_problems) or None)
+    ]
     notes: list[str] = []
     if descriptor is None:
         reason = f"{_NOT_CHECKED}: {DESCRIPTOR_NAME} is unreadable"
@@ -189,10 +191,6 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
             if name != DESCRIPTOR_NAME
         ]
     else:
-        # The descriptor's own problems, in load_checkpoint's words (one check for both).
-        descriptor_problems = record_problems(descriptor)
-        if descriptor_problems:
-            files[0] = attrs.evolve(files[0], problem="; ".join(descriptor_problems))
         unrecorded = f"not checked: {DESCRIPTOR_NAME} lists no sha256 and size for it"
         files += [
             FileCheck(name, file_size(directory / name), note=unrecorded)
@@ -209,11 +207,8 @@ def _check_directory(directory: Path, *, is_latest: bool) -> _Checked:
                 files.append(FileCheck(name, file_size(directory / name), note=note))
                 notes.append(f"{directory / name}: {note}")
     files += [check for check in sharded if check.note is None]
-    problems = [f"{directory / f.name}: {f.problem}" for f in files[1:] if f.problem is not None]
-    if descriptor is not None:
-        problems[:0] = [f"{descriptor_path}: {problem}" for problem in descriptor_problems]
-    elif files[0].problem is not None:
-        problems.insert(0, f"{descriptor_path}: {files[0].problem}")
+    problems = [f"{descriptor_path}: {problem}" for problem in descriptor_problems]
+    problems += [f"{directory / f.name}: {f.problem}" for f in files[1:] if f.problem is not None]
     if descriptor is not None and not problems:
         # Every file is intact: load it as a resuming run would, which also checks that the
         # safetensors files parse and hold the tensors the descriptor lists.

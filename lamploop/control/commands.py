@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
+from lamploop.checks import check_finite
 from lamploop.errors import ConfigurationError
 
 __all__ = [
@@ -63,8 +64,7 @@ def _int_in(low: int, high: float = math.inf) -> _Validator:
 
 def _finite(command: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A finite real number: NaN crosses no JSON frame, so neither channel may carry one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(command, attribute, value, "a finite number")
+    check_finite(f"{type(command).__name__}.{attribute.name}", value)
 
 
 def _text(command: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -9,18 +9,14 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from lamploop.loop.metric_sums import MetricSums
+from lamploop.loop.stop_request import SIGNAL_TURNS
 from lamploop.sync.channel import TensorChannel
 
-__all__ = ["SIGNAL_TURNS", "Yielder", "epoch_totals", "pass_totals"]
+__all__ = ["Yielder", "epoch_totals", "pass_totals"]
 
 _YIELD_EVERY_S = 0.02
 """Heavy compute runs on the event loop's thread; give other tasks (heartbeats)
 a turn at least this often."""
-
-
-SIGNAL_TURNS = 8
-"""Turns of the event loop that hand a signal waiting in its wake-up socket to the run's stop
-request (three suffice with asyncio: read the socket, run the handler, wake the watcher)."""
 
 
 class Yielder:

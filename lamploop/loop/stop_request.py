@@ -10,8 +10,13 @@ above the loop, so it lives here, below all of them.
 from __future__ import annotations
 
 import threading
+from typing import Final
 
-__all__ = ["StopRequest"]
+__all__ = ["SIGNAL_TURNS", "StopRequest"]
+
+SIGNAL_TURNS: Final = 8
+"""Turns of the event loop that hand a signal waiting in its wake-up socket to the run's stop
+request (three suffice with asyncio: read the socket, run the handler, wake the watcher)."""
 
 
 class StopRequest:

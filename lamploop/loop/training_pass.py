@@ -208,15 +208,14 @@ class TrainingPass:
                 self.profiler.step()
             if self.after_step is not None:
                 self.after_step(global_count, sum(step_losses) if step_losses else self._step_loss())
+            await yield_now()  # other tasks' turn; a signal that came during the step reaches the request
             if self.single and self.boundary is not None:
-                await yield_now()  # a signal that came during the step reaches the request now
                 checkpoint, stop = self.boundary.requests(self.steps_done - 1)
             if (checkpoint or stop) and self.boundary is not None:
                 began = time.perf_counter()
                 await self._at_boundary(sync, stop=bool(stop))
                 if times is not None:
                     times.checkpointed(began)
-            await yield_now()
             if times is not None:
                 times.step_done()
         sync.end_pass()

@@ -21,12 +21,12 @@ an uninterrupted run would have asked.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import attrs
 
+from lamploop.checks import check_finite, check_int
 from lamploop.errors import ConfigurationError
 
 __all__ = [
@@ -74,22 +74,6 @@ class LearningRateSchedule(Protocol[S]):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigurationError(message)
-
-
-def _number(where: str, name: str, value: object) -> float:
-    """``value`` as a float if it is a finite real number (not a bool), else a ConfigurationError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        msg = f"{where}: {name} must be a finite number, got {value!r:.60}"
-        raise ConfigurationError(msg)
-    return float(value)
-
-
-def _count(where: str, name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else a ConfigurationError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        msg = f"{where}: {name} must be an int >= {minimum}, got {value!r:.60}"
-        raise ConfigurationError(msg)
-    return value
 
 
 @attrs.frozen
@@ -204,9 +188,9 @@ def decrement(every: int, fraction: float) -> Decrement:
     Raises:
         ConfigurationError: ``every < 1`` or ``fraction`` not in ``[0, 1]``.
     """
-    _count("decrement", "every", every, 1)
+    check_int("decrement: every", every, 1)
     _require(
-        0.0 <= _number("decrement", "fraction", fraction) <= 1.0,
+        0.0 <= check_finite("decrement: fraction", fraction) <= 1.0,
         f"decrement: fraction must be in [0, 1], got {fraction}",
     )
     return Decrement(every, fraction)
@@ -222,9 +206,9 @@ def linear(start: float, end: float, max_steps: int) -> Linear:
     Raises:
         ConfigurationError: ``start`` or ``end`` not a finite number, or ``max_steps < 1``.
     """
-    _number("linear", "start", start)
-    _number("linear", "end", end)
-    _count("linear", "max_steps", max_steps, 1)
+    check_finite("linear: start", start)
+    check_finite("linear: end", end)
+    check_int("linear: max_steps", max_steps, 1)
     return Linear(start, end, max_steps)
 
 
@@ -234,8 +218,8 @@ def step_after(steps: int, factor: float) -> StepAfter:
     Raises:
         ConfigurationError: ``steps < 0``, or ``factor`` not a finite number.
     """
-    _count("step_after", "steps", steps, 0)
-    _number("step_after", "factor", factor)
+    check_int("step_after: steps", steps, 0)
+    check_finite("step_after: factor", factor)
     return StepAfter(steps, factor)
 
 
@@ -248,9 +232,10 @@ def cyclic(max_factor: float, period_length: int) -> Cyclic:
     Raises:
         ConfigurationError: ``period_length < 2`` or ``max_factor <= 0``.
     """
-    _count("cyclic", "period_length", period_length, 2)
+    check_int("cyclic: period_length", period_length, 2)
     _require(
-        _number("cyclic", "max_factor", max_factor) > 0, f"cyclic: max_factor must be > 0, got {max_factor}"
+        check_finite("cyclic: max_factor", max_factor) > 0,
+        f"cyclic: max_factor must be > 0, got {max_factor}",
     )
     return Cyclic(max_factor, period_length)
 
@@ -334,19 +319,23 @@ def reduce_lr_on_plateau(
     """
     where = "reduce_lr_on_plateau"
     _require(
-        _number(where, "start_factor", start_factor) > 0,
+        check_finite(f"{where}: start_factor", start_factor) > 0,
         f"{where}: start_factor must be > 0, got {start_factor}",
     )
     _require(
-        0 < _number(where, "reduce_factor", reduce_factor) < 1,
+        0 < check_finite(f"{where}: reduce_factor", reduce_factor) < 1,
         f"{where}: reduce_factor must be in (0, 1), got {reduce_factor}",
     )
-    _count(where, "patience (a count of validations)", patience, 0)
-    _require(_number(where, "threshold", threshold) >= 0, f"{where}: threshold must be >= 0, got {threshold}")
+    check_int(f"{where}: patience (a count of validations)", patience, 0)
     _require(
-        _number(where, "min_factor", min_factor) >= 0, f"{where}: min_factor must be >= 0, got {min_factor}"
+        check_finite(f"{where}: threshold", threshold) >= 0,
+        f"{where}: threshold must be >= 0, got {threshold}",
     )
-    _count(where, "validation_frequency", validation_frequency, 1)
+    _require(
+        check_finite(f"{where}: min_factor", min_factor) >= 0,
+        f"{where}: min_factor must be >= 0, got {min_factor}",
+    )
+    check_int(f"{where}: validation_frequency", validation_frequency, 1)
     return ReduceLrOnPlateau(
         start_factor, reduce_factor, patience, threshold, min_factor, validation_frequency
     )

@@ -50,6 +50,12 @@ class _Signal:
         await self._event.wait()
 
 
+class _Unanswered(ConnectionLost):
+    """The receiver took nothing for ``ack_timeout``: a full buffer nobody reads (back-pressure,
+    the connection is renewed for as long as it lasts) or a receiver gone without a word (the
+    next connection fails, and that counts towards ``reconnect_timeout``)."""
+
+
 @attrs.define
 class _Session:
     """One connection's progress: the highest seq sent on it, whether Done was sent."""
@@ -120,15 +126,17 @@ class ProducerConnectionLoop:
                 try:
                     welcome = await self._greet(conn)
                     self._connections += 1
-                    failing_since, attempts = None, 0
-                    progress = await self._session(conn, welcome)
+                    cut = await self._session(conn, welcome)
                 finally:
                     await conn.aclose()
-                # Lost after the handshake: again at once if it got somewhere, else after a pause.
-                delay = _FIRST_BACKOFF if progress else min(delay * 2, _MAX_BACKOFF)
-                if not progress and not self._finished:
-                    await anyio.sleep(delay)
-                continue
+                if cut is None:
+                    # It got somewhere, or the receiver is there and takes nothing (back-pressure):
+                    # not a failure, however long it lasts.  Again at once.
+                    failing_since, attempts, delay = None, 0, _FIRST_BACKOFF
+                    continue
+                # Cut before the receiver took anything: a failure like an unreachable receiver,
+                # or a link that always breaks mid-frame would be retried forever.
+                error = cut
             except Redirected as redirect:
                 if (self._host, self._port) != self._root:
                     error = f"{self._receiver} redirected this producer again, to {redirect}"
@@ -174,20 +182,22 @@ class ProducerConnectionLoop:
             handshake_timeout=self._handshake_timeout,
         )
 
-    async def _session(self, conn: FramedStream, welcome: Welcome) -> bool:
+    async def _session(self, conn: FramedStream, welcome: Welcome) -> str | None:
         """Send and resend on one connection until it is lost or done (returns) or fails for good (raises).
 
-        Returns whether the receiver acknowledged anything new on it.
+        Returns why the connection was cut when it was cut before the receiver acknowledged
+        anything new (in its welcome or on the connection); None when it got somewhere, ended
+        done, or was renewed because the receiver took nothing for ``ack_timeout`` (back-pressure).
         """
         box = self._outbox
+        acked_before = box.acked
         box.take_welcome(welcome.acked_seq, welcome.max_frame_bytes, receiver=self._receiver)
         self._changed.notify()
-        acked_before = box.acked
         # The receiver proved the token; it sends only small frames (acknowledgements).
         conn.authenticated(frames.preauth_frame_bytes(self._max_frame_bytes))
         logger.info("producer %r connected to %s (holds up to %d)", self.name, self._receiver, box.acked)
         session = _Session(sent=box.acked)
-        lost: list[str] = []
+        lost: list[ConnectionLost] = []
         refused: list[TransportError] = []  # raised outside the task group, unwrapped
         async with anyio.create_task_group() as tg:
 
@@ -195,7 +205,7 @@ class ProducerConnectionLoop:
                 try:
                     await self._write(conn, session)
                 except ConnectionLost as exc:
-                    lost.append(str(exc))
+                    lost.append(exc)
                 except TransportError as exc:  # a sample the receiver can never take
                     refused.append(exc)
                 tg.cancel_scope.cancel()
@@ -204,15 +214,18 @@ class ProducerConnectionLoop:
             try:
                 await self._read(conn, session)
             except ConnectionLost as exc:
-                lost.append(str(exc))
+                lost.append(exc)
             except TransportError as exc:
                 refused.append(exc)
             tg.cancel_scope.cancel()
         if refused:
             raise refused[0]
-        if lost and not self._finished:
-            logger.info("producer %r: lost the connection (%s); reconnecting", self.name, lost[0])
-        return box.acked > acked_before or self._finished
+        if self._finished or not lost:
+            return None
+        logger.info("producer %r: lost the connection (%s); reconnecting", self.name, lost[0])
+        if box.acked > acked_before or isinstance(lost[0], _Unanswered):
+            return None
+        return str(lost[0])
 
     async def _write(self, conn: FramedStream, session: _Session) -> None:
         # One scope bounds every send (its deadline moved before each, lifted while idle):
@@ -238,7 +251,7 @@ class ProducerConnectionLoop:
                     await self._changed.wait()
                 finally:
                     self._writer_idle = False
-        raise ConnectionLost(f"sending to {self._receiver} took over {self._ack_timeout:g} s")
+        raise _Unanswered(f"sending to {self._receiver} took over {self._ack_timeout:g} s")
 
     async def _send(self, conn: FramedStream, parts: list[bytes]) -> None:
         try:
@@ -257,7 +270,7 @@ class ProducerConnectionLoop:
                     raise ConnectionLost(str(exc)) from exc
             if silence.cancelled_caught:
                 if session.sent > self._outbox.acked or session.done_sent:
-                    raise ConnectionLost(f"{self._receiver} acknowledged nothing for {self._ack_timeout:g} s")
+                    raise _Unanswered(f"{self._receiver} acknowledged nothing for {self._ack_timeout:g} s")
                 continue
             if message is None:
                 raise ConnectionLost(f"{self._receiver} closed the connection")

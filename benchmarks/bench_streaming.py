@@ -20,7 +20,9 @@ Three measurements, each alternating the contenders inside the same run:
    1 KiB.  A fourth contender, ``async drained``, is ``AsyncProducer`` with the buffer drained
    by ``get_batch`` and ``torch.stack`` alone (no model): the raw socket trains nothing, and
    the small model's step (some 20 µs of CPU per 1 KiB sample on a slow core, on the
-   receiver's thread) would otherwise be counted against the transport.
+   receiver's thread) would otherwise be counted against the transport.  Two more,
+   ``async rows drained`` and ``blocking rows drained``, drained alike, come from a simulation
+   that makes its samples 64 at a time and hands each batch over with ``send_rows``.
 2. **Training while ingesting.**  Steps per second of the 1M-parameter MLP (batches of 64,
    64 KiB samples of 16384 floats cut to its 512 inputs) drawn from a buffer fed live over
    TCP by one ``BlockingProducer`` process, against the same steps drawn from a buffer filled
@@ -92,12 +94,30 @@ count, floats = int(sys.argv[5]), int(sys.argv[6])
 options = {"resend_window": int(sys.argv[7])} if sys.argv[7] != "default" else {}
 tensor = torch.arange(floats, dtype=torch.float32)
 labels = [torch.tensor(0), torch.tensor(1)]
+# "... rows": a simulation that makes its samples 64 at a time hands each batch over as columns.
+rows_x = torch.stack([tensor] * 64)
+rows_y = torch.arange(64) % 2
 cpu = time.process_time()
 if kind == "blocking":
     with BlockingProducer((host, port), name="bench", token=token, **options) as producer:
         cpu = time.process_time()
         for i in range(count):
             producer.send({"x": tensor, "y": labels[i % 2]})
+elif kind == "blocking rows":
+    with BlockingProducer((host, port), name="bench", token=token, **options) as producer:
+        cpu = time.process_time()
+        for start in range(0, count, 64):
+            n = min(64, count - start)
+            producer.send_rows({"x": rows_x[:n], "y": rows_y[:n]})
+elif kind == "async rows":
+    async def main():
+        global cpu
+        async with AsyncProducer((host, port), name="bench", token=token, **options) as producer:
+            cpu = time.process_time()
+            for start in range(0, count, 64):
+                n = min(64, count - start)
+                await producer.send_rows({"x": rows_x[:n], "y": rows_y[:n]})
+    anyio.run(main)
 else:
     async def main():
         global cpu
@@ -662,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
                 "async": partial(ingest_lamploop, "async", count, floats),
                 "raw": partial(ingest_raw, count, floats),
                 "async drained": partial(ingest_lamploop, "async", count, floats, train=False),
+                "async rows drained": partial(ingest_lamploop, "async rows", count, floats, train=False),
+                "blocking rows drained": partial(
+                    ingest_lamploop, "blocking rows", count, floats, train=False
+                ),
             },
             rounds,
         )
@@ -672,6 +696,13 @@ def main(argv: list[str] | None = None) -> int:
             # The raw socket only reads; drained without a model, lamploop's side does no more
             # than the transport's work (receive, decode, put, ack, draw and stack).
             "async drained/raw": (_ratio(rates["async drained"], rates["raw"]), raw_target),
+            # A simulation that makes its samples a batch at a time: send_rows.
+            "async rows drained/raw": (_ratio(rates["async rows drained"], rates["raw"]), raw_target),
+            "blocking rows drained/raw": (_ratio(rates["blocking rows drained"], rates["raw"]), raw_target),
+            "blocking rows drained/async rows drained": (
+                _ratio(rates["blocking rows drained"], rates["async rows drained"]),
+                0.9,
+            ),
         }
         results[f"ingest {label}"] = {
             "samples_per_s": rates,

@@ -42,6 +42,7 @@ from lamploop.streaming.wire import (
     MAX_SEQ,
     PREAUTH_FRAME_BYTES,
     check_producer_name,
+    encode_rows,
     encode_tensors,
 )
 from lamploop.transport import tls
@@ -251,13 +252,43 @@ class AsyncProducer(ProducerConnectionLoop):
         failing part of the way, it has kept the samples before the one it stopped at
         (:attr:`next_seq` tells how many).
         """
+        return await self._submit_all(encode_tensors(tensors) for tensors in samples)
+
+    async def send_rows(self, columns: Mapping[str, torch.Tensor]) -> list[int]:
+        """:meth:`send` each row of ``columns`` as a sample, in order; their seqs.
+
+        Row ``i`` is the sample ``{name: column[i] for name, column in columns.items()}``: a
+        simulation that makes its samples a batch at a time hands the batch over as it is.  The
+        receiver gets the same samples as from :meth:`send_many` of the rows, bitwise; the
+        checks and the encoding's fixed costs are paid once for all rows
+        (:func:`~lamploop.streaming.tensor_bytes.encode_rows`), and every row is encoded
+        (copied) before the first is kept.  Then the waits of :meth:`send_many`: cancelled or
+        failing part of the way, it has kept the rows before the one it stopped at.
+
+        Raises:
+            TypeError, ValueError: ``columns`` is not a non-empty mapping of str to tensors with
+                one number of rows (their first dimension); nothing is kept.
+            FrameError: a row's frame would be over ``max_frame_bytes``; nothing is kept.
+            StreamingError: the producer failed (see the class), is done, or is not entered.
+
+        .. versionadded:: 0.3
+        """
+        self._check_open("send()")
+        payloads = encode_rows(columns)
+        if payloads:  # the rows are alike: the last seq's frame header is the longest
+            self._outbox.check_size(self._outbox.next_seq + len(payloads) - 1, payloads[0])
+        return await self._submit_all(payloads)
+
+    async def _submit_all(self, payloads: Iterable[bytes]) -> list[int]:
+        """Keep each of ``payloads`` (encoded samples) as the next seq, in order, a chunk at a
+        time (:meth:`_submit_many`); their seqs.  What an iterable that raises, or a payload whose
+        frame is too large, stopped at: the payloads before it are kept, then the error raised."""
         seqs: list[int] = []
         chunk: list[bytes] = []  # encoded, not handed to _submit_many yet
         size = 0
         try:
-            for tensors in samples:
+            for payload in payloads:
                 self._check_open("send()")
-                payload = encode_tensors(tensors)
                 self._outbox.check_size(self._outbox.next_seq, payload)
                 chunk.append(payload)
                 size += len(payload)

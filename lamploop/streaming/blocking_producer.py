@@ -29,7 +29,7 @@ import torch
 
 from lamploop.errors import StreamingError, TransportError
 from lamploop.streaming.async_producer import HANDOVER_BYTES, HANDOVER_SAMPLES, AsyncProducer, ProducerStats
-from lamploop.streaming.wire import encode_tensors
+from lamploop.streaming.wire import encode_rows, encode_tensors
 
 __all__ = ["BLOCKING_AHEAD", "BLOCKING_AHEAD_BYTES", "HANDOVER_DELAY_S", "BlockingProducer"]
 
@@ -318,17 +318,51 @@ class BlockingProducer:
         with the ones sent around it; it waits while :data:`BLOCKING_AHEAD` samples (or
         :data:`BLOCKING_AHEAD_BYTES`) sent are not kept yet (the window is full).
         """
+        self._check_sending()
+        payload = encode_tensors(tensors)  # on this thread, in parallel with the loop's work
+        self._check_size(payload, self._next_seq)
+        return self._hand_over(payload)
+
+    def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
+        """:meth:`send` each of ``samples``, in order; their seqs."""
+        return [self.send(tensors) for tensors in samples]
+
+    def send_rows(self, columns: Mapping[str, torch.Tensor]) -> list[int]:
+        """As :meth:`AsyncProducer.send_rows`: each row of ``columns`` sent as a sample, in order;
+        their seqs.
+
+        Every row is encoded (copied) on this thread before the first is handed over, then each
+        is handed over as :meth:`send` hands over a sample (the same waits; failing part of the
+        way, the rows before are sent).
+
+        .. versionadded:: 0.3
+        """
+        self._check_sending()
+        payloads = encode_rows(columns)
+        if payloads:  # the rows are alike: the last seq's frame header is the longest
+            self._check_size(payloads[0], self._next_seq + len(payloads) - 1)
+        return [self._hand_over(payload) for payload in payloads]
+
+    def _check_sending(self) -> None:
+        """Raise what a send raises now: not entered, failed, or done."""
         producer = self._producer
         if self._portal is None:
             self._portal_or_fail("send()")
         if self._error is not None or producer._sup.failure is not None or producer._done_requested:
             with self._lock:
                 self._raise_locked("send()")
-        payload = encode_tensors(tensors)  # on this thread, in parallel with the loop's work
+
+    def _check_size(self, payload: bytes, seq: int) -> None:
+        """Raise FrameError if ``payload``'s frame as sample ``seq`` is over ``max_frame_bytes``."""
+        box = self._producer._outbox
+        if box.header_bound + len(payload) + 7 > box.max_frame_bytes:  # else surely under it
+            box.check_size(seq, payload)
+
+    def _hand_over(self, payload: bytes) -> int:
+        """Put an encoded sample with the ones for the loop to take; its seq.  Waits while
+        :data:`BLOCKING_AHEAD` samples (or bytes) wait for the loop."""
+        producer = self._producer
         size = len(payload)
-        box = producer._outbox
-        if box.header_bound + size + 7 > box.max_frame_bytes:  # else surely under it
-            box.check_size(self._next_seq, payload)
         poke = False
         with self._lock:
             while (self._inbox or self._in_hand) and (
@@ -353,10 +387,6 @@ class BlockingProducer:
         if poke:
             self._poke()
         return seq
-
-    def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
-        """:meth:`send` each of ``samples``, in order; their seqs."""
-        return [self.send(tensors) for tensors in samples]
 
     def flush(self) -> None:
         """Hand the samples sent so far to the loop now, and wait until it kept them (it sends

@@ -42,6 +42,7 @@ __all__ = [
     "decode_rows",
     "decode_tensors_signed",
     "describe_mismatch",
+    "encode_rows",
     "encode_tensors",
     "signature_of",
 ]
@@ -119,6 +120,54 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
         # alive until the join below has copied them.
         parts.append(raw.from_address(ready[index].data_ptr()))
     return b"".join(parts)
+
+
+def encode_rows(columns: Mapping[str, torch.Tensor]) -> list[bytes]:
+    """The safetensors bytes of each row of ``columns``: row ``i`` is the sample
+    ``{name: column[i] for name, column in columns.items()}``, encoded as :func:`encode_tensors`
+    encodes it (the same bytes), with the checks made once for all rows.
+
+    Each row is copied once, as :func:`encode_tensors` copies a sample; what a row costs beyond
+    that copy is a join of its tensors' bytes (about a microsecond), not a sample's checks.
+
+    Raises:
+        TypeError: ``columns`` is not a mapping of str to tensors, or a dtype safetensors lacks.
+        ValueError: it is empty, a column has no first dimension, or the columns' first
+            dimensions (their numbers of rows) differ.
+    """
+    if type(columns) is not dict and not isinstance(columns, Mapping):
+        msg = f"a batch of samples' columns are a mapping of names to tensors, got {type(columns).__name__}"
+        raise TypeError(msg)
+    key: list[tuple[str, torch.dtype, torch.Size]] = []
+    ready: list[torch.Tensor] = []
+    rows = -1
+    for name, column in columns.items():
+        if type(name) is not str or not isinstance(column, torch.Tensor):
+            what = f"{type(name).__name__}: {type(column).__name__}"
+            msg = f"a batch of samples' columns map str to torch.Tensor, got {what}"
+            raise TypeError(msg)
+        if column.dim() == 0:
+            msg = f"column {name!r} is a 0-d tensor: a column's first dimension is the sample"
+            raise ValueError(msg)
+        if rows < 0:
+            rows, first = column.shape[0], name
+        elif column.shape[0] != rows:
+            msg = f"columns hold one row per sample: {first!r} has {rows} rows, {name!r} {column.shape[0]}"
+            raise ValueError(msg)
+        column = column.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        key.append((name, column.dtype, column.shape[1:]))
+        ready.append(column)
+    signature = tuple(key)
+    encoding = _ENCODINGS.get(signature)
+    if encoding is None:
+        encoding = _encoding(signature)  # raises ValueError for no columns
+    prefix, order = encoding
+    # Row i of a contiguous column starts i row-sizes after its first.
+    starts = [(raw, ready[index].data_ptr(), ctypes.sizeof(raw)) for index, raw in order]
+    return [
+        b"".join([prefix, *[raw.from_address(base + row * size) for raw, base, size in starts]])
+        for row in range(rows)
+    ]
 
 
 _Key: TypeAlias = tuple[tuple[str, torch.dtype, torch.Size], ...]

@@ -77,7 +77,7 @@ from lamploop.streaming.samples_payload import (
     run_lengths,
     take_samples,
 )
-from lamploop.streaming.tensor_bytes import decode_tensors, encode_tensors
+from lamploop.streaming.tensor_bytes import decode_tensors, encode_rows, encode_tensors
 from lamploop.streaming.wire_messages import (
     _FIELDS,
     DEFAULT_MAX_FRAME_BYTES,
@@ -126,6 +126,7 @@ __all__ = [
     "decode_body",
     "decode_tensors",
     "encode_frame",
+    "encode_rows",
     "encode_tensors",
     "producer_proof",
     "receiver_proof",

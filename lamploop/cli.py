@@ -239,6 +239,8 @@ def _lr_find(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         msg = f"--batch-size must be >= 1, got {args.batch_size}"
         raise ConfigurationError(msg)
+    if args.output is not None:
+        _make_parent(args.output)  # before the range test, not after it
     optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     make = optimizers[args.optimizer]
     x_train, y_train, _, _ = digits_data(args.seed)
@@ -282,9 +284,19 @@ def _lr_find(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _make_parent(output: Path) -> None:
+    """Create the directory ``-o`` names a file in, as ``demo --out`` creates its run directory."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"-o {output}: cannot create its directory: {exc.strerror or exc}"
+        raise ConfigurationError(msg) from exc
+
+
 def _plot(args: argparse.Namespace) -> int:
     from lamploop.plotting import plot_learning_curve
 
+    _make_parent(args.output)
     path = plot_learning_curve(args.checkpoint, args.output, title=args.title)
     print(f"wrote {path}", flush=True)
     return EXIT_OK
@@ -309,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lamploop: {exc}", file=sys.stderr, flush=True)
         return EXIT_TERMINATED if exc.reason == "SIGTERM" else EXIT_INTERRUPTED
     except LamploopError as exc:
+        print(f"lamploop: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except OSError as exc:  # a file that cannot be written or read (permissions, a full disk)
         print(f"lamploop: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -34,7 +34,8 @@ def test_a_failed_run_is_one_line_on_stderr_and_status_1(tmp_path: Path) -> None
     result = _run(["demo", "--world-size", "0", "--epochs", "1", "--out", str(tmp_path / "runs")], tmp_path)
     assert result.returncode == EXIT_FAILED, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines == ["lamploop: ConfigurationError: fit: world_size must be None or an int >= 1, got 0"]
+    assert lines == ["lamploop: ConfigurationError: world_size must be an int >= 1, got 0"]
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
 
 
 @pytest.mark.slow

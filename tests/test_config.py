@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -55,13 +56,34 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [CONFIG_NAME]
 
 
-def test_a_field_that_is_absent_takes_its_default(tmp_path: Path) -> None:
-    save_config(DemoConfig(epochs=3), tmp_path)
+def test_a_field_that_is_absent_is_refused_not_defaulted(tmp_path: Path) -> None:
+    """docs/cli.md: "an unknown key, a missing one or a wrong type is a ConfigurationError naming
+    the field and the file" (a default in its place could resume with another setting)."""
+    save_config(DemoConfig(epochs=3, learning_rate=0.01), tmp_path)
     path = tmp_path / CONFIG_NAME
     document = json.loads(path.read_text())
     del document["config"]["learning_rate"]
     path.write_text(json.dumps(document))
-    assert load_config(tmp_path, DemoConfig) == DemoConfig(epochs=3)
+    with pytest.raises(ConfigurationError) as info:
+        load_config(tmp_path, DemoConfig)
+    assert str(info.value).startswith(str(path))
+    assert "missing key learning_rate" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"learning_rate": -1.0}, "learning_rate must be a positive finite number, got -1.0"),
+        ({"learning_rate": float("nan")}, "learning_rate must be a positive finite number, got nan"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+        ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+        ({"hidden_sizes": (16, 0)}, "hidden_sizes[1] must be an int >= 1, got 0"),
+    ],
+    ids=["negative-lr", "nan-lr", "batch-size", "world-size", "hidden-size"],
+)
+def test_a_setting_that_cannot_train_is_refused_when_made(given: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        DemoConfig(**given)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

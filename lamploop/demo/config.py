@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Final, TypeVar
 import attrs
 
 from lamploop.checkpoint.files import read_json_object
-from lamploop.checks import int_at_least
+from lamploop.checks import check_int, check_positive, int_at_least
 from lamploop.errors import ConfigurationError
 from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
@@ -46,6 +46,15 @@ CONFIG_NAME: Final = "config.json"
 C = TypeVar("C", bound=attrs.AttrsInstance)
 
 _ENVELOPE_KEYS: Final = ("kind", "version", "lamploop_version", "config")
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_positive(attribute.name, value)
+
+
+def _widths(_instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
+    for index, width in enumerate(value):
+        check_int(f"{attribute.name}[{index}]", width, 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -65,11 +74,11 @@ class DemoConfig:
     config_version: ClassVar[int] = 1
 
     epochs: int = attrs.field(default=30, validator=int_at_least(None, 1))
-    batch_size: int = 32
-    world_size: int = 2
-    seed: int = 0
-    learning_rate: float = 1e-3
-    hidden_sizes: tuple[int, ...] = attrs.field(default=(128, 64), converter=tuple)
+    batch_size: int = attrs.field(default=32, validator=int_at_least(None, 1))
+    world_size: int = attrs.field(default=2, validator=int_at_least(None, 1))
+    seed: int = attrs.field(default=0, validator=int_at_least(None, 0))
+    learning_rate: float = attrs.field(default=1e-3, validator=_positive)
+    hidden_sizes: tuple[int, ...] = attrs.field(default=(128, 64), converter=tuple, validator=_widths)
 
 
 _CONVERTER: Final = strict_converter()
@@ -114,8 +123,8 @@ def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
     Raises:
         ConfigurationError: the message starts with the file and names what is wrong: the
             file is missing or not JSON, holds another kind of configuration or another
-            version of this one, has a field ``cls`` does not have, or a value of the wrong
-            type (``batch_size: expected an integer, got '64' (str)``).
+            version of this one, has a field ``cls`` does not have or lacks one it has, or a
+            value of the wrong type (``batch_size: expected an integer, got '64' (str)``).
     """
     path = Path(directory) / CONFIG_NAME
     raw = read_json_object(path, ConfigurationError)
@@ -141,6 +150,12 @@ def load_config(directory: str | os.PathLike[str], cls: type[C]) -> C:
     body = raw.get("config")
     if not isinstance(body, dict):
         msg = f"{path}: config: expected a JSON object, got {body!r}"
+        raise ConfigurationError(msg)
+    # Every field is written; one missing was lost or edited out, and a default in its place
+    # could resume the run with another setting than it started with.
+    missing = [field.name for field in attrs.fields(cls) if field.init and field.name not in body]
+    if missing:
+        msg = f"{path}: config: missing key {', '.join(missing)} (every field of {expected_kind} is written)"
         raise ConfigurationError(msg)
     try:
         return _CONVERTER.structure(body, cls)

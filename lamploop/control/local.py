@@ -148,6 +148,11 @@ class LocalControlRoot:
         self._stopped = False
         self._closed = False
 
+    @property
+    def nranks(self) -> int:
+        """The world size this channel was made for, root included."""
+        return self._hub.nranks
+
     async def __aenter__(self) -> LocalControlRoot:
         return self
 
@@ -273,6 +278,11 @@ class LocalControlFollower:
         self.rank = rank
         self._joined = False
         self._commands = _LocalCommands(hub.receives[rank], rank)
+
+    @property
+    def nranks(self) -> int:
+        """The world size this channel was made for, root included."""
+        return self._hub.nranks
 
     async def __aenter__(self) -> LocalControlFollower:
         return self

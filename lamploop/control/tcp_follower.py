@@ -115,6 +115,11 @@ class TcpControlFollower:
         self._send_commands: MemoryObjectSendStream[Command]  # made on entering, closed on leaving
         self._commands: _TcpCommands
 
+    @property
+    def nranks(self) -> int:
+        """The world size this channel was made for, root included."""
+        return self._run.nranks
+
     async def __aenter__(self) -> TcpControlFollower:
         await self._sup.enter()
         self._send_commands, receive = anyio.create_memory_object_stream[Command](MAX_UNREAD_COMMANDS)

@@ -133,6 +133,11 @@ class TcpControlRoot:
         return self._address
 
     @property
+    def nranks(self) -> int:
+        """The world size this channel was made for, root included."""
+        return self._run.nranks
+
+    @property
     def recent_refusals(self) -> tuple[str, ...]:
         """The last few peers refused for not proving the token, oldest first: ``"host:port: why"``."""
         return tuple(self._refusals.recent)

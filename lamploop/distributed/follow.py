@@ -84,10 +84,10 @@ async def follow_distributed_training(
     torch_device = check_place(nranks, device, "follow_distributed_training")
     where = f"follow_distributed_training (rank {rank})"
     check_driver_arguments(where, model, train_batches, validation_batches)
-    check_follower_control(where, control)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)
+    check_follower_control(where, control, nranks, rank)
     check_sharded_strategy("follow_distributed_training", settings, control=control)
     strategy = settings.strategy
     if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:

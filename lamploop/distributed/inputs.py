@@ -22,6 +22,7 @@ from lamploop.state import LoopStateWithModelAndOptimizerData
 __all__ = [
     "check_batch_factory",
     "check_driver_arguments",
+    "check_control_size",
     "check_follower_control",
     "check_model",
     "check_reporters",
@@ -95,12 +96,31 @@ def check_driver_arguments(
     check_resume_arguments(where, init_state, checkpoint_state)
 
 
-def check_follower_control(where: str, control: object) -> None:
-    """``control`` is a follower's end of a control channel (it has ``join()``)."""
+def check_follower_control(where: str, control: object, nranks: int, rank: int) -> None:
+    """``control`` is a follower's end of a control channel (it has ``join()``), made for this
+    world size and rank when it says (:func:`check_control_size`)."""
     if not callable(getattr(control, "join", None)):
         msg = (
             f"{where}: control must be a ControlFollower (one of the followers of "
             f"lamploop.local_control(n), or a TcpControlFollower), got {type(control).__name__}"
+        )
+        raise ConfigurationError(msg)
+    check_control_size(where, control, nranks)
+    own = getattr(control, "rank", None)
+    if type(own) is int and own != rank:
+        msg = f"{where}: rank={rank}, but its control channel ({type(control).__name__}) is rank {own}'s"
+        raise ConfigurationError(msg)
+
+
+def check_control_size(where: str, control: object, nranks: int) -> None:
+    """A control channel made for another world size than ``nranks`` (its ``nranks``, where it
+    has one: lamploop's channels do) is refused now, naming both; else the ranks would wait in
+    the process group's set-up until its timeout, and fail without saying why."""
+    size = getattr(control, "nranks", None)
+    if type(size) is int and size != nranks:
+        msg = (
+            f"{where}: nranks={nranks}, but its control channel ({type(control).__name__}) was made "
+            f"for {size} ranks; give both the same world size"
         )
         raise ConfigurationError(msg)
 

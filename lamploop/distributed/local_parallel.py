@@ -22,8 +22,9 @@ from lamploop.distributed.drive import OptimizerFactory, drive_distributed_train
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.distributed.inputs import check_driver_arguments, check_resume_arguments
 from lamploop.distributed.sharded_checks import check_sharded_strategy
-from lamploop.errors import ConfigurationError, error_detected_by_every_rank
+from lamploop.errors import ConfigurationError, DistributedError, error_detected_by_every_rank
 from lamploop.model import SupervisedModel
+from lamploop.modelspec import describe_mismatch, model_spec
 from lamploop.schedules import LearningRateSchedule, noop
 from lamploop.settings import LocalSettingKeywords, TrainingSettings, Unpack, merged_settings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
@@ -92,6 +93,20 @@ def _check_replicas(replicas: object, init_state: object, checkpoint_state: obje
                 "replica its own copy (copy.deepcopy(module))"
             )
             raise ConfigurationError(msg)
+    _check_same_models([replica[0].module for replica in replicas])
+
+
+def _check_same_models(modules: Sequence[torch.nn.Module]) -> None:
+    """Every replica's model has the first one's tensors (names, shapes, dtypes), or a
+    DistributedError naming the replica and the first tensor that differs, before any thread
+    starts (the ranks' own check, one fingerprint each, cannot say which tensor)."""
+    expected = model_spec(modules[0])
+    for rank, module in enumerate(modules[1:], start=1):
+        actual = model_spec(module)
+        detail = describe_mismatch(expected, actual, expected_label="rank 0", actual_label=f"rank {rank}")
+        if detail is not None:
+            msg = f"local_data_parallel_training_loop: rank {rank}'s model differs from rank 0's: {detail}"
+            raise DistributedError(msg)
 
 
 async def local_data_parallel_training_loop(
@@ -124,6 +139,7 @@ async def local_data_parallel_training_loop(
             batch factories, or two replicas sharing one module; an unknown keyword,
             or a setting given both as a keyword and in ``settings=``; a ``profile`` (torch
             profiles one process, and the replicas are its threads: use ``fit(world_size=n)``).
+        DistributedError: the replicas' models differ (names the rank and the tensor).
         LamploopError: the first error of any replica (the others are ended within seconds).
     """
     merged = merged_settings(local_data_parallel_training_loop, locals(), LocalSettingKeywords)

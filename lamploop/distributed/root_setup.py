@@ -10,6 +10,7 @@ from lamploop.averaging import install_average
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint import restore_optimizer_state
 from lamploop.control.commands import ControlRoot
+from lamploop.distributed.inputs import check_control_size
 from lamploop.distributed.replica import Replica, learning_rates
 from lamploop.errors import ConfigurationError
 from lamploop.loop.boundary import EpochPosition
@@ -42,6 +43,8 @@ def check_root_arguments(
             f"lamploop.local_control(n), or a TcpControlRoot), got {type(control).__name__}{hint}"
         )
         raise ConfigurationError(msg)
+    if control is not None:
+        check_control_size("drive_distributed_training", control, nranks)
     if init_position is not None and len(init_position.loss_sums) != nranks:
         msg = (
             f"drive_distributed_training: the step-boundary checkpoint to resume from was taken with "

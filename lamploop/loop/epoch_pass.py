@@ -88,7 +88,9 @@ async def one_epoch(
         batches: this rank's stream of ``(features, target)`` batches.
         channel: the ranks that train together (default: this process alone).
         step_optimizer: called once per step after the gradients are complete,
-            for example ``optimizer.step``; required unless ``forward_only``.
+            for example ``optimizer.step``; required unless ``forward_only``.  With a
+            strategy that steps on the root alone (``steps_on_every_rank`` false:
+            ``reduce_to_root``), called on rank 0 only: the others receive its parameters.
         forward_only: no gradients, no steps, module in eval mode (validation).
         accumulate_gradient_over_n_batches: batches per optimizer step on each
             rank; an epoch that ends mid-group still steps with what it has.

@@ -74,6 +74,11 @@ class TrainingPass:
         self.before_step, self.after_step = extras.before_step, extras.after_step
         self.times, self.profiler = extras.step_times, extras.profiler
         self.rank, self.single = channel.rank, channel.nranks == 1
+        # A strategy that steps on the root alone (reduce_to_root) sends the stepped parameters
+        # to the others after the step: a follower's own step would be work and optimizer
+        # state for nothing.
+        strategy = getattr(channel, "strategy", None)
+        self.steps_here = self.rank == 0 or getattr(strategy, "steps_on_every_rank", True) is not False
         self.losses: list[torch.Tensor] = []
         self.first_index = start.steps_done * k
         self.start_loss_sum = start.loss_sum
@@ -241,7 +246,8 @@ class TrainingPass:
             torch.nn.utils.clip_grad_norm_(self.model.module.parameters(), self.max_gradient_norm)
         if self.before_step is not None:
             self.before_step(self.steps_done)
-        self.step_optimizer()
+        if self.steps_here:
+            self.step_optimizer()
 
     def _begin_step_sum(self, group_count: int) -> PendingSum:
         """Start the step's sum over ranks: [examples, checkpoint?, stop?] + every rank's loss sum."""

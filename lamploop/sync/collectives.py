@@ -327,12 +327,16 @@ class Collectives:
         root_value = self.broadcast_json([value], f"root's {label}")[0]
         agreeing = int(self.sum([float(value == root_value)]).wait()[0])
         if agreeing != self.nranks:
-            mismatch = "" if value == root_value else f"; rank {self.rank} has {value!r}"
+            # Only when they disagree: every rank's value to every rank, so that each names
+            # the ranks that differ and what they hold (a gather is one collective more).
+            values = self.gather_json(value, f"ranks' {label}")
+            differing = [f"rank {rank} has {v!r}" for rank, v in enumerate(values) if v != root_value]
             msg = (
                 f"the ranks disagree on {label}: {self.nranks - agreeing} of {self.nranks} differ "
-                f"from rank 0's {root_value!r}{mismatch}"
+                f"from rank 0's {root_value!r}: {', '.join(differing[:8])}"
+                f"{' ...' if len(differing) > 8 else ''}"
             )
-            # Every rank holds the same sum: every rank raises this, not the abort it causes.
+            # Every rank holds the same values: every rank raises this, not the abort it causes.
             raise mark_detected_by_every_rank(DistributedError(msg))
 
 

@@ -222,7 +222,10 @@ def register_strategy(strategy: SyncStrategy, *, replace: bool = False) -> None:
         msg = f"register_strategy: {strategy!r} lacks name, steps_on_every_rank or gradient_sync()"
         raise ConfigurationError(msg)
     name = strategy.name
-    if name == AUTO or (name in _REGISTRY and not replace):
+    if name == AUTO:
+        msg = f"register_strategy: the name {AUTO!r} is reserved (it picks a strategy); choose another name"
+        raise ConfigurationError(msg)
+    if name in _REGISTRY and not replace:
         msg = f"register_strategy: the name {name!r} is taken; pass replace=True to replace it"
         raise ConfigurationError(msg)
     _REGISTRY[name] = strategy

@@ -129,8 +129,9 @@ def test_registering_a_taken_name_or_a_non_strategy_is_refused() -> None:
     lamploop.register_strategy(Float64AllReduce(), replace=True)
     with pytest.raises(ConfigurationError, match="is taken"):
         lamploop.register_strategy(Float64AllReduce())
-    with pytest.raises(ConfigurationError, match="is taken"):
-        lamploop.register_strategy(Float64AllReduce(name="auto"))
+    for replace in (False, True):  # "auto" picks a strategy: never a name, replace or not
+        with pytest.raises(ConfigurationError, match="'auto' is reserved"):
+            lamploop.register_strategy(Float64AllReduce(name="auto"), replace=replace)
     not_a_strategy: Any = object()
     with pytest.raises(ConfigurationError, match="lacks"):
         lamploop.register_strategy(not_a_strategy)

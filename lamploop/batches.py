@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lamploop.checks import check_bool, check_int
 from lamploop.errors import ConfigurationError
 from lamploop.forked_children import worker_init_leaving_signals
+from lamploop.interruptible import holding_the_loop
 
 __all__ = [
     "BatchContext",
@@ -31,6 +32,9 @@ __all__ = [
     "iterable_batches",
     "tensor_batches",
 ]
+
+_END: Any = object()
+"""The end of a plain iterable (``next``'s default)."""
 
 Batch: TypeAlias = tuple[Any, torch.Tensor]
 BatchStream: TypeAlias = AsyncIterable[Batch]
@@ -184,7 +188,12 @@ def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchSt
                     "not an iterable of batches"
                 )
                 raise ConfigurationError(msg) from None
-            for batch in batches:
+            while True:
+                # A slow source holds the event loop: a second stop request may end it here.
+                with holding_the_loop():
+                    batch = next(batches, _END)
+                if batch is _END:
+                    return
                 yield batch
 
         return stream()

@@ -35,6 +35,7 @@ import anyio.lowlevel
 from lamploop.control.commands import ControlFollower, ControlRoot
 from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
 from lamploop.forked_children import signals_stay_with_this_process
+from lamploop.interruptible import StopAtOnce, held
 from lamploop.loop.stop_request import SIGNAL_TURNS, StopRequest
 from lamploop.reporting.emitter import EventEmitter
 from lamploop.reporting.events import PeerLost, RunFailed, RunStopped
@@ -100,17 +101,33 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
                 yield scope
             except Exception as exc:  # raised below as it is: the task group would wrap it in a group
                 failure = exc
+            except BaseException as exc:
+                if not _stopped_at_once_in_a_held_loop(exc, stop):
+                    raise
             finally:
                 watchers.cancel_scope.cancel()
     if failure is not None:
         raise failure
 
 
+def _stopped_at_once_in_a_held_loop(exc: BaseException, stop: StopRequest) -> bool:
+    """Whether ``exc`` is (or holds only) the :class:`StopAtOnce` that a second signal raised in
+    a plain iterable (the run then ends as one stopped at once: ``stop.at_once()``)."""
+    return stop.at_once() and _only_stops_at_once(exc)
+
+
+def _only_stops_at_once(exc: BaseException) -> bool:
+    if isinstance(exc, StopAtOnce):
+        return True
+    inner = getattr(exc, "exceptions", None)  # a (Base)ExceptionGroup, from the task groups
+    return isinstance(inner, tuple) and bool(inner) and all(_only_stops_at_once(e) for e in inner)
+
+
 async def _watch_signals(
     stop: StopRequest, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
 ) -> None:
     signalled = False  # a request relayed from another rank (see share_stop_requests) is no first signal
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, _at_once_in_held_loops(stop):
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
@@ -120,6 +137,35 @@ async def _watch_signals(
             signalled = True
             stop.request(name)
             logger.info("%s: stopping after the current step (again to stop at once)", name)
+
+
+@contextmanager
+def _at_once_in_held_loops(stop: StopRequest) -> Iterator[None]:
+    """While the loop's signal receiver is open: a second SIGTERM or SIGINT that comes while a
+    plain iterable holds the loop (:mod:`lamploop.interruptible`) raises StopAtOnce there.
+
+    The event loop keeps receiving every signal (its wake-up socket is written by the C-level
+    handler whatever the Python-level one is); this Python-level handler, which runs on the
+    main thread between two bytecodes even while the loop is held, only counts them and acts
+    when the loop cannot.
+    """
+    seen = 0
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal seen
+        seen += 1
+        if seen >= 2 and held():
+            stop.request(signal.Signals(signum).name)
+            stop.request_at_once()
+            raise StopAtOnce(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is on_signal:  # else the receiver has set its default back
+                signal.signal(signum, handler)
 
 
 async def _watch_at_once(

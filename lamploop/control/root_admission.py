@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.abc
@@ -32,7 +32,12 @@ from lamploop.transport.handshake import Refusal
 from lamploop.transport.strangers import PendingHandshakes, RefusalLog
 from lamploop.transport.supervisor import Supervisor
 
-__all__ = ["FollowerAdmission"]
+__all__ = ["RUN_FINISHED", "FollowerAdmission"]
+
+RUN_FINISHED = "this root's run is finished (Stop was sent); the next run's root does not listen yet"
+"""The refusal of a follower that proved the token to a root whose run is over: a follower
+that ran the same script's next ``fit`` sooner than its root, which a follower retries (within
+its ``connect_timeout``) until the next run's root listens."""
 
 logger = logging.getLogger("lamploop.control")
 
@@ -47,6 +52,8 @@ class FollowerAdmission:
         context: the root's TLS server context, or ``None``.
         handshake_timeout: a connection must complete the handshake within this many seconds.
         max_pending_handshakes: connections handshaking at once; one more drops the oldest.
+        finished: whether the run is over (Stop was sent): a follower is then turned away with
+            :data:`RUN_FINISHED`, and the root does not fail for it.
     """
 
     def __init__(
@@ -58,7 +65,9 @@ class FollowerAdmission:
         context: ssl.SSLContext | None,
         handshake_timeout: float,
         max_pending_handshakes: int,
+        finished: Callable[[], bool] = lambda: False,
     ) -> None:
+        self._finished = finished
         self._run = run
         self._sup = sup
         self._refusals = refusals
@@ -91,6 +100,10 @@ class FollowerAdmission:
                 await self._refuse_stranger(conn, exc.reason)
             else:  # garbage or a hang-up: no reply, the least work for a flood of strangers
                 self._refusals.refused(conn.peer, exc.reason)
+            return None
+        if self._finished():
+            logger.info("control root: rank %d (%s) came after the run; turned away", hello.rank, conn.peer)
+            await conn.send_best_effort(Refuse(RUN_FINISHED))
             return None
         reason = mismatch(hello, self._run, joined)
         if reason is not None:

@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.connection import Connection, Gone, abort_message
 from lamploop.control.handshake import greet_root
+from lamploop.control.root_admission import RUN_FINISHED
 from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
 from lamploop.control.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -171,18 +172,14 @@ class TcpControlFollower:
         if self._conn is not None:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
-        stream: anyio.abc.ByteStream = await self._connect()
-        preauth = preauth_frame_limit(self._run.nranks, self._run.model_spec, self._link.max_frame_bytes)
-        conn = self._conn = Connection(stream, peer=self._root, link=self._link, preauth_frame_bytes=preauth)
-        try:
-            with anyio.fail_after(self._handshake_timeout):
-                if self._tls is not None:
-                    conn.stream = await self._secure(stream, self._tls)
-                await greet_root(conn, self._run, rank=self.rank, protocol_version=self._protocol_version)
-        except TimeoutError as exc:
-            timeout = self._handshake_timeout
-            msg = f"rank {self.rank}: {self._root} did not finish the handshake in {timeout:g} s"
-            raise ControlChannelError(msg) from exc
+        deadline = anyio.current_time() + self._connect_timeout
+        while True:
+            conn = self._conn = await self._connect_and_greet(deadline)
+            if conn is not None:
+                break
+            # The previous run's root, still ending: again until this run's root listens.
+            self._conn = None
+            await anyio.sleep(min(0.05, max(deadline - anyio.current_time(), 0.0)))
         conn.rank = 0
         logger.info("rank %d joined %s", self.rank, self._root)
         tg.start_soon(conn.heartbeat_forever, self._on_heartbeat_error)
@@ -206,8 +203,35 @@ class TcpControlFollower:
             msg = f"rank {self.rank}: {exc} ({question})"
             raise HandshakeError(msg) from exc
 
-    async def _connect(self) -> anyio.abc.SocketStream:
-        deadline = anyio.current_time() + self._connect_timeout
+    async def _connect_and_greet(self, deadline: float) -> Connection | None:
+        """A connection to the root, greeted; ``None`` when the root's run was finished
+        (:data:`~lamploop.control.root_admission.RUN_FINISHED`) and ``deadline`` is not past."""
+        stream: anyio.abc.ByteStream = await self._connect(deadline)
+        preauth = preauth_frame_limit(self._run.nranks, self._run.model_spec, self._link.max_frame_bytes)
+        conn = Connection(stream, peer=self._root, link=self._link, preauth_frame_bytes=preauth)
+        greeted = False
+        try:
+            with anyio.fail_after(self._handshake_timeout):
+                if self._tls is not None:
+                    conn.stream = await self._secure(stream, self._tls)
+                await greet_root(conn, self._run, rank=self.rank, protocol_version=self._protocol_version)
+            greeted = True
+        except TimeoutError as exc:
+            timeout = self._handshake_timeout
+            msg = f"rank {self.rank}: {self._root} did not finish the handshake in {timeout:g} s"
+            raise ControlChannelError(msg) from exc
+        except HandshakeError as exc:
+            if RUN_FINISHED in str(exc) and anyio.current_time() < deadline:
+                logger.debug("rank %d: %s ends its run; waiting for the next", self.rank, self._root)
+                return None
+            raise
+        finally:
+            if not greeted:  # whatever ended the handshake: this connection is done with
+                with anyio.CancelScope(shield=True):
+                    await conn.aclose()
+        return conn
+
+    async def _connect(self, deadline: float) -> anyio.abc.SocketStream:
         delay = 0.05
         attempts = 0
         while True:

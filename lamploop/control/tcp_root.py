@@ -114,6 +114,7 @@ class TcpControlRoot:
             context=self._tls,
             handshake_timeout=handshake_timeout,
             max_pending_handshakes=max_pending_handshakes,
+            finished=lambda: self._stop_sent,
         )
         self._joined_or_failed = anyio.Event()
         self._serving = 0

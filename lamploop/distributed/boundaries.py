@@ -85,6 +85,7 @@ class RankBoundary:
         self._every_steps = every_steps
         self._every_seconds = every_seconds
         self._last = time.monotonic()
+        self._heard_reason = ""
         self.epoch = 0
         self.lr_factor = 1.0
         # A sharded model's (strategy fsdp): every rank writes its shards into the root's checkpoint.
@@ -92,8 +93,10 @@ class RankBoundary:
 
     @property
     def stop_reason(self) -> str:
-        """What asked for the stop (empty before any request)."""
-        return self._stop.reason
+        """What asked for the stop (empty before any request): this rank's request, else the
+        first one another rank gave at the last boundary (a request heard only in the step's
+        sum may reach this rank before the control channel brings its reason)."""
+        return self._stop.reason or self._heard_reason
 
     def requests(self, steps_done: int) -> tuple[bool, bool]:
         due = self._save is not None and (
@@ -116,8 +119,10 @@ class RankBoundary:
             "progress": [progress.loss_sum, progress.example_count],
             "metrics": list(progress.metric_sums),
             "rng": rng_to_json(RngStates.capture()),
+            "stop_reason": self._stop.reason,
         }
         everyone = self._gather(mine, "step boundary")
+        self._heard_reason = next((str(rank["stop_reason"]) for rank in everyone if rank["stop_reason"]), "")
         self._last = time.monotonic()
         if self._save is None:
             if self.shard_writer is not None and self._keep_rngs:  # the root checkpoints here

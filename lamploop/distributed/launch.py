@@ -21,11 +21,14 @@ Three launchers are understood, checked in this order:
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
+import logging
 import os
 import secrets
+import signal
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from lamploop.errors import ConfigurationError, ControlChannelError, TrainingInt
 from lamploop.modelspec import ModelSpec
 
 __all__ = [
+    "FAILED_FOLLOWER_EXIT_TIMEOUT_S",
     "FOLLOWER_EXIT_TIMEOUT_S",
     "LOCAL_HOST",
     "LaunchEnv",
@@ -50,6 +54,8 @@ __all__ = [
     "open_root_control",
     "spawn_followers",
 ]
+
+logger = logging.getLogger("lamploop.distributed")
 
 DEFAULT_SLURM_CONTROL_PORT = 29511
 _STORE_TIMEOUT_S = 120.0
@@ -275,6 +281,20 @@ LOCAL_HOST = "127.0.0.1"
 FOLLOWER_EXIT_TIMEOUT_S = 60.0
 """How long the followers this process started get to exit after the run, before they are killed."""
 
+FAILED_FOLLOWER_EXIT_TIMEOUT_S = 10.0
+"""How long they get after the root failed: told why by the channel's close, they end at once
+(naming a lost rank), unless one is stuck."""
+
+
+@attrs.define
+class _Ending:
+    """How a follower's failing exit is taken.  While the root runs, it is a lost rank
+    (``lost``: the root's channel fails naming it, and the root tells the other followers);
+    after the root failed, it is expected; after the run, an error of its own."""
+
+    lost: Callable[[int, str], None] | None = None
+    root_failed: bool = False
+
 
 @asynccontextmanager
 async def open_root(
@@ -307,28 +327,47 @@ async def open_root(
         return
     token = secrets.token_hex(16)
     stopped: TrainingInterrupted | None = None
-    async with (
-        TcpControlRoot(
-            host=LOCAL_HOST,
-            nranks=nranks,
-            token=token,
-            model_spec=model_spec,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-        ) as root,
-        anyio.create_task_group() as followers,
-    ):
-        spawn_followers(
-            followers, world_size=nranks, control_address=root.address, token=token, command=command
-        )
+    failed: Exception | None = None
+    ending = _Ending()
+    async with anyio.create_task_group() as followers:
         try:
-            yield root, LOCAL_HOST
-        except TrainingInterrupted as exc:
-            # A graceful stop: the followers got Stop at the same step boundary and end by
-            # themselves (a second signal cancels this at once instead).
-            stopped = exc
-        # The followers got Stop; give them a bounded time to exit before they are killed.
-        followers.cancel_scope.deadline = anyio.current_time() + FOLLOWER_EXIT_TIMEOUT_S
+            async with TcpControlRoot(
+                host=LOCAL_HOST,
+                nranks=nranks,
+                token=token,
+                model_spec=model_spec,
+                heartbeat_interval=heartbeat_interval,
+                heartbeat_timeout=heartbeat_timeout,
+            ) as root:
+                ending.lost = functools.partial(_died, root)
+                spawn_followers(
+                    followers,
+                    world_size=nranks,
+                    control_address=root.address,
+                    token=token,
+                    command=command,
+                    ending=ending,
+                )
+                try:
+                    yield root, LOCAL_HOST
+                except TrainingInterrupted as exc:
+                    # A graceful stop: the followers got Stop at the same step boundary and end
+                    # by themselves (a second signal cancels this at once instead).
+                    stopped = exc
+                finally:
+                    ending.lost = None
+        except Exception as exc:
+            # The root failed, and closing its channel told the followers why (a lost rank is
+            # named to them): each ends by itself, naming that rank, as a follower that a
+            # launcher started does.  Their failing exits are expected; killed only if they linger.
+            failed = exc
+            ending.root_failed = True
+            followers.cancel_scope.deadline = anyio.current_time() + FAILED_FOLLOWER_EXIT_TIMEOUT_S
+        else:
+            # The followers got Stop; give them a bounded time to exit before they are killed.
+            followers.cancel_scope.deadline = anyio.current_time() + FOLLOWER_EXIT_TIMEOUT_S
+    if failed is not None:
+        raise failed
     if stopped is not None:
         raise stopped
 
@@ -364,11 +403,13 @@ def spawn_followers(
     control_address: tuple[str, int],
     token: str,
     command: Sequence[str] | None = None,
+    ending: _Ending | None = None,
 ) -> None:
     """Start ranks ``1..world_size-1`` as child processes running ``command`` (default: this one).
 
     The children are supervised by ``tasks``: one that exits with an error
-    fails the task group, and cancelling the group kills them.
+    fails the task group (unless ``ending`` says the root failed first), and cancelling the
+    group kills them.
     """
     argv = list(command) if command is not None else list(sys.orig_argv)
     host, port = control_address
@@ -380,11 +421,24 @@ def spawn_followers(
             LAMPLOOP_CONTROL=f"{host}:{port}",
             LAMPLOOP_TOKEN=token,
         )
-        tasks.start_soon(_run_child, argv, env, rank)
+        tasks.start_soon(_run_child, argv, env, rank, ending or _Ending())
 
 
-async def _run_child(argv: list[str], env: dict[str, str], rank: int) -> None:
+def _died(root: TcpControlRoot, rank: int, detail: str) -> None:
+    root.fail_peer(rank, "died", detail)
+
+
+async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _Ending) -> None:
     result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
     if result.returncode != 0:
-        msg = f"rank {rank} exited with status {result.returncode}: {' '.join(argv)}"
+        if ending.root_failed:
+            logger.info("rank %d exited with status %d after the root failed", rank, result.returncode)
+            return
+        how = f"status {result.returncode}"
+        if -result.returncode in signal.valid_signals():
+            how += f" ({signal.Signals(-result.returncode).name})"
+        if ending.lost is not None:  # the root runs: a lost rank, which it names to every rank
+            ending.lost(rank, f"exited with {how}: {' '.join(argv)}")
+            return
+        msg = f"rank {rank} exited with {how}: {' '.join(argv)}"
         raise ControlChannelError(msg)

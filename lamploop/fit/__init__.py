@@ -278,7 +278,8 @@ async def fit_async(
                 state = await lead(job, resumed, listeners, keep_last, on_epoch, launch_command, at_once)
             finally:
                 close_all(listeners)
-    if at_once.cancelled_caught and not follower:  # a follower stopped at once ends quietly
+    # A second request: cancelled here, or raised in a plain iterable that held the loop.
+    if (at_once.cancelled_caught or stop.at_once()) and not follower:  # a follower ends quietly
         raise stopped_at_once(stop)
     return state
 

@@ -97,7 +97,9 @@ class FramedConnection(Generic[Item]):
     ) -> None:
         self.stream = stream
         self.decoder = decoder
-        self._peer = peer  # looked up when first needed: most strangers are never named
+        # Looked up now, while the socket is connected: a peer that resets the connection
+        # (a port scanner does) has no address to ask for once it is gone.
+        self._peer = peer if peer is not None else remote(stream)
         self._error = error
         self._pending: deque[Item] = deque()
         self._ended = False
@@ -106,8 +108,6 @@ class FramedConnection(Generic[Item]):
     @property
     def peer(self) -> str:
         """Who is at the other end, for messages (``host:port`` unless named)."""
-        if self._peer is None:
-            self._peer = remote(self.stream)
         return self._peer
 
     @property

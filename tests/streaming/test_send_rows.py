@@ -180,7 +180,9 @@ async def test_rows_too_large_for_a_frame_are_refused_and_nothing_is_kept(kind: 
             if kind == "blocking":
                 await anyio.to_thread.run_sync(simulate, receiver.address)
             else:
-                async with AsyncProducer(receiver.address, name="sim", token=token, max_frame_bytes=limit) as p:
+                async with AsyncProducer(
+                    receiver.address, name="sim", token=token, max_frame_bytes=limit
+                ) as p:
                     with pytest.raises(FrameError) as raised:
                         await p.send_rows(too_large)
                     outcome["error"] = raised.value

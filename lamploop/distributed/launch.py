@@ -96,6 +96,14 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         raise ConfigurationError(msg) from None
 
 
+def _port(environ: Mapping[str, str], name: str) -> int:
+    port = _int(environ, name)
+    if not 1 <= port <= 65535:
+        msg = f"environment variable {name}={environ[name]!r} must be a port in 1..65535"
+        raise ConfigurationError(msg)
+    return port
+
+
 def _place(environ: Mapping[str, str], rank_name: str, size_name: str) -> tuple[int, int]:
     """``(rank, world_size)`` read from two variables, checked against each other."""
     rank, size = _int(environ, rank_name), _int(environ, size_name)
@@ -130,7 +138,10 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             control_port=int(port),
             token=env.get("LAMPLOOP_TOKEN"),
         )
-    if "RANK" in env and "WORLD_SIZE" in env:
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+    if ("RANK" in env and "WORLD_SIZE" in env) or (("RANK" in env or "WORLD_SIZE" in env) and not slurm):
+        # One of torchrun's pair alone is a launcher misconfigured (the other is named as
+        # missing), not a process to train alone.
         rank, size = _place(env, "RANK", "WORLD_SIZE")
         return LaunchEnv(
             rank=rank,
@@ -138,11 +149,11 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
             launcher="torchrun",
             root_host=env.get("MASTER_ADDR", "127.0.0.1"),
-            control_port=_int(env, "LAMPLOOP_CONTROL_PORT") if "LAMPLOOP_CONTROL_PORT" in env else None,
+            control_port=_port(env, "LAMPLOOP_CONTROL_PORT") if "LAMPLOOP_CONTROL_PORT" in env else None,
             token=env.get("LAMPLOOP_TOKEN"),
-            store_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+            store_port=_port(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if slurm:
         nodelist = env.get("SLURM_JOB_NODELIST")
         root = (
             env.get("LAMPLOOP_ROOT_ADDR")
@@ -165,7 +176,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
             launcher="slurm",
             root_host=root,
-            control_port=_int(env, "LAMPLOOP_CONTROL_PORT")
+            control_port=_port(env, "LAMPLOOP_CONTROL_PORT")
             if "LAMPLOOP_CONTROL_PORT" in env
             else slurm_job_port(env["SLURM_JOB_ID"])
             if "SLURM_JOB_ID" in env

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextvars
 import functools
 import logging
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -150,9 +151,12 @@ def _at_once_in_held_loops(stop: StopRequest) -> Iterator[None]:
     when the loop cannot.
     """
     seen = 0
+    run = os.getpid()
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal seen
+        if os.getpid() != run:  # a process forked from the run (a loader's worker) leaves it to the run
+            return
         seen += 1
         if seen >= 2 and held():
             stop.request(signal.Signals(signum).name)

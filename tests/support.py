@@ -6,6 +6,7 @@ One copy here instead of one per module (``free_port`` was written six times).
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import time
@@ -14,10 +15,35 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range.
+
+    The OS's own pick (``bind(0)``) comes from the ephemeral range, from which the kernel also
+    takes the local port of every outgoing connection: another test's connection could take it
+    between this pick and the listen that follows (a rank then failed with EADDRINUSE). A
+    random port below that range is taken only by a listener that picks it the same way.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PICKS.randrange(max(low - 12_000, 1024), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_PICKS = random.Random()  # seeded by the OS: xdist workers pick apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, poll: float = 0.05) -> None:

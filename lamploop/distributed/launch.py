@@ -119,6 +119,10 @@ def _place(environ: Mapping[str, str], rank_name: str, size_name: str) -> tuple[
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     """The launcher's view of this process, or ``None`` when no launcher started it.
 
+    ``WORLD_SIZE`` without ``RANK``, or ``RANK`` beside ``MASTER_ADDR`` or ``MASTER_PORT``
+    without ``WORLD_SIZE``, is torchrun's launch missing a variable; ``RANK`` alone is not a
+    launcher's (other tools set it).
+
     Raises:
         ConfigurationError: a variable is malformed or a required one is missing.
     """
@@ -139,9 +143,11 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
             token=env.get("LAMPLOOP_TOKEN"),
         )
     slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
-    if ("RANK" in env and "WORLD_SIZE" in env) or (("RANK" in env or "WORLD_SIZE" in env) and not slurm):
-        # One of torchrun's pair alone is a launcher misconfigured (the other is named as
-        # missing), not a process to train alone.
+    # WORLD_SIZE, or RANK beside torchrun's MASTER_ADDR / MASTER_PORT, is a launcher's: the
+    # other of the pair missing is a misconfigured launch (named), not a process to train
+    # alone.  RANK alone is not torchrun's: other tools set it.
+    torchrun_meant = "WORLD_SIZE" in env or ("RANK" in env and ("MASTER_ADDR" in env or "MASTER_PORT" in env))
+    if ("RANK" in env and "WORLD_SIZE" in env) or (torchrun_meant and not slurm):
         rank, size = _place(env, "RANK", "WORLD_SIZE")
         return LaunchEnv(
             rank=rank,

@@ -97,11 +97,11 @@ def epoch_seed(seed: int, *parts: int) -> int:
     """A 63-bit seed mixed from ``seed`` and ``parts`` (epoch, rank...) by NumPy's SeedSequence.
 
     Raises:
-        ConfigurationError: a negative seed or part.
+        ConfigurationError: a seed or part that is not an int >= 0 (naming it).
     """
-    if seed < 0 or any(part < 0 for part in parts):
-        msg = f"seeds must be >= 0, got seed={seed} and {parts}"
-        raise ConfigurationError(msg)
+    check_int("epoch_seed: seed", seed, 0)
+    for index, part in enumerate(parts):
+        check_int(f"epoch_seed: part {index}", part, 0)
     state = np.random.SeedSequence([seed, *parts]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 

@@ -152,6 +152,9 @@ class SupervisedModel:
         for name, value in zip(self.metrics, values, strict=True):
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise _not_a_metric_sum(name, value)
+            total = value[0]
+            if isinstance(total, torch.Tensor) and total.numel() != 1:  # per-example values, not their sum
+                raise _not_a_metric_sum(name, value, f"a sum of shape {tuple(total.shape)}")
         return loss_sum, count, values
 
     def _loss_of(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -207,9 +210,9 @@ def _described(value: object) -> str:
     return type(value).__name__
 
 
-def _not_a_metric_sum(name: str, value: object) -> ConfigurationError:
+def _not_a_metric_sum(name: str, value: object, what: str | None = None) -> ConfigurationError:
     return ConfigurationError(
-        f"SupervisedModel: the metric {name!r} returned {_described(value)}, not (sum, count); "
+        f"SupervisedModel: the metric {name!r} returned {what or _described(value)}, not (sum, count); "
         "return the sum over the batch's examples and their number, as lamploop.metrics.accuracy "
         "does (a mean cannot be combined over batches and ranks of different sizes)"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -16,7 +16,7 @@ from lamploop.batches import Batch
 from lamploop.errors import BatchError, ConfigurationError, LamploopError, NonFiniteLossError
 from lamploop.model import SupervisedModel
 
-__all__ = ["check_finite", "check_stream", "loss_of", "prepare", "where"]
+__all__ = ["NONE_BATCH", "check_finite", "check_stream", "loss_of", "prepare", "where"]
 
 
 def where(epoch: int | None, batch: int, rank: int) -> str:
@@ -34,6 +34,13 @@ def _leading_sizes(features: Any) -> list[int]:
     return []
 
 
+class _NoneBatch:
+    """A stream's ``None`` item, where the training pass's ``None`` means "the stream ended"."""
+
+
+NONE_BATCH: Final = _NoneBatch()
+
+
 def prepare(item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int) -> Batch:
     """Check one batch and move it to ``device``; errors name the epoch, batch and rank."""
 
@@ -41,7 +48,8 @@ def prepare(item: Any, device: torch.device | None, epoch: int | None, index: in
         return where(epoch, index, rank)
 
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        msg = f"{place()}: expected a (features, target) pair, got {type(item).__name__}"
+        got = "NoneType" if item is NONE_BATCH else type(item).__name__
+        msg = f"{place()}: expected a (features, target) pair, got {got}"
         raise BatchError(msg)
     features, target = item
     if not isinstance(target, torch.Tensor) or target.dim() == 0:
@@ -73,9 +81,11 @@ def loss_of(
             (loss_sum, count), values = model.loss_sum_and_count(*batch), ()
     except (LamploopError, torch.OutOfMemoryError):
         raise  # ours say where already; running out of memory is no fault of the batch
-    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-        # e.g. a target of the wrong dtype for the loss: torch's message, and where it happened
-        msg = f"{where(epoch, index, rank)}: the model or its loss failed: {type(exc).__name__}: {exc}"
+    except Exception as exc:
+        # e.g. a target of the wrong dtype for the loss, a metric dividing by zero: the error's
+        # message, and where it happened
+        failed = "the model, its loss or a metric" if model.metrics else "the model or its loss"
+        msg = f"{where(epoch, index, rank)}: {failed} failed: {type(exc).__name__}: {exc}"
         raise BatchError(msg) from exc
     if torch.is_grad_enabled() and not loss_sum.requires_grad:
         # A training pass (validation runs under no_grad): backward would fail with torch's

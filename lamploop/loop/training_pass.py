@@ -17,7 +17,7 @@ import torch
 
 from lamploop.batches import BatchStream
 from lamploop.errors import BatchError, NonFiniteLossError, mark_detected_by_every_rank
-from lamploop.loop.batch_checks import check_finite, prepare
+from lamploop.loop.batch_checks import NONE_BATCH, check_finite, prepare
 from lamploop.loop.boundary import EpochStart, EpochStopped, StepBoundary, StepProgress
 from lamploop.loop.forward import BackwardSeeds, Forward
 from lamploop.loop.metric_sums import MetricSums
@@ -50,6 +50,10 @@ class StepExtras:
     after_step: Callable[[int, float | torch.Tensor], object] | None
     step_times: StepTimes | None = None
     profiler: StepProfiler | None = None
+
+
+_ENDED: Any = object()
+"""``anext``'s default: the stream ended (a ``None`` it yields is a malformed batch)."""
 
 
 class TrainingPass:
@@ -321,13 +325,13 @@ class TrainingPass:
         return total
 
     async def _next_batch(self, stream: AsyncIterator[Any]) -> None:
-        """Await the batch after the one in hand into ``self.upcoming`` (``None``: the stream ended)."""
-        if self.times is None:
-            self.upcoming = await anext(stream, None)
-            return
-        began = time.perf_counter()
-        self.upcoming = await anext(stream, None)
-        self.times.waited_for_data(began)
+        """Await the batch after the one in hand into ``self.upcoming`` (``None``: the stream
+        ended; a ``None`` the stream yields is NONE_BATCH, which ``prepare`` refuses)."""
+        began = time.perf_counter() if self.times is not None else 0.0
+        item = await anext(stream, _ENDED)
+        self.upcoming = None if item is _ENDED else NONE_BATCH if item is None else item
+        if self.times is not None:
+            self.times.waited_for_data(began)
 
     async def _forward_backward(
         self, stream: AsyncIterator[Any], sync: GradientSync

@@ -371,6 +371,11 @@ async def open_root(
                     # A graceful stop: the followers got Stop at the same step boundary and end
                     # by themselves (a second signal cancels this at once instead).
                     stopped = exc
+                except BaseException:
+                    # Before the root's close tells the followers: their failing exits are
+                    # expected from then on, not a second error.
+                    ending.root_failed = True
+                    raise
                 finally:
                     ending.lost = None
         except Exception as exc:

@@ -1,5 +1,5 @@
-"""What many test modules need: a free port on 127.0.0.1, a bounded wait for a condition, and
-the lines a stopped demo run ends with.
+"""What many test modules need: a free port on 127.0.0.1, a bounded wait for a condition, a
+relay that cuts connections, and the lines a stopped demo run ends with.
 
 One copy here instead of one per module (``free_port`` was written six times).
 """
@@ -12,6 +12,10 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
 
 
 def free_port() -> int:
@@ -83,3 +87,44 @@ def stopped_by(signal_name: str, line: str) -> str | None:
     if re.fullmatch(STOPPED_IN_A_VALIDATION.format(signal=signal_name), line):
         return "validation"
     return None
+
+
+async def cutting_relay(target: tuple[str, int], limit: Callable[[], int], group: Any) -> tuple[str, int]:
+    """A TCP relay on 127.0.0.1 to ``target``, served in ``group`` (cancel it to stop), that
+    closes each connection once ``limit()`` bytes (asked once per connection) came from the
+    client; its address.  A flaky or broken network between a producer and its receiver."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+
+    async def serve(client: Any) -> None:
+        most = limit()
+        async with client:
+            try:
+                upstream = await anyio.connect_tcp(*target)
+            except OSError:
+                return
+            async with upstream, anyio.create_task_group() as pipes:
+
+                async def forward(source: Any, sink: Any, most: int | None) -> None:
+                    sent = 0
+                    try:
+                        async for chunk in source:
+                            if most is not None:
+                                chunk = chunk[: most - sent]
+                            await sink.send(chunk)
+                            sent += len(chunk)
+                            if most is not None and sent >= most:
+                                break
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass
+                    pipes.cancel_scope.cancel()
+
+                pipes.start_soon(forward, client, upstream, most)
+                pipes.start_soon(forward, upstream, client, None)
+
+    async def run() -> None:
+        async with listener:
+            await listener.serve(serve)
+
+    address = listener.extra(anyio.abc.SocketAttribute.local_address)
+    group.start_soon(run)
+    return address[0], address[1]

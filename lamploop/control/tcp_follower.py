@@ -173,13 +173,11 @@ class TcpControlFollower:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
         deadline = anyio.current_time() + self._connect_timeout
-        while True:
-            conn = self._conn = await self._connect_and_greet(deadline)
-            if conn is not None:
-                break
-            # The previous run's root, still ending: again until this run's root listens.
-            self._conn = None
+        conn = await self._connect_and_greet(deadline)
+        while conn is None:  # the previous run's root, still ending: until this run's root listens
             await anyio.sleep(min(0.05, max(deadline - anyio.current_time(), 0.0)))
+            conn = await self._connect_and_greet(deadline)
+        self._conn = conn
         conn.rank = 0
         logger.info("rank %d joined %s", self.rank, self._root)
         tg.start_soon(conn.heartbeat_forever, self._on_heartbeat_error)

@@ -21,7 +21,6 @@ Three launchers are understood, checked in this order:
 from __future__ import annotations
 
 import datetime
-import functools
 import ipaddress
 import logging
 import os
@@ -309,7 +308,7 @@ class _Ending:
     (``lost``: the root's channel fails naming it, and the root tells the other followers);
     after the root failed, it is expected; after the run, an error of its own."""
 
-    lost: Callable[[int, str], None] | None = None
+    lost: Callable[[int, str, str], None] | None = None
     root_failed: bool = False
 
 
@@ -356,7 +355,7 @@ async def open_root(
                 heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout,
             ) as root:
-                ending.lost = functools.partial(_died, root)
+                ending.lost = root.fail_peer
                 spawn_followers(
                     followers,
                     world_size=nranks,
@@ -446,10 +445,6 @@ def spawn_followers(
         tasks.start_soon(_run_child, argv, env, rank, ending or _Ending())
 
 
-def _died(root: TcpControlRoot, rank: int, detail: str) -> None:
-    root.fail_peer(rank, "died", detail)
-
-
 async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _Ending) -> None:
     result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
     if result.returncode != 0:
@@ -460,7 +455,7 @@ async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _E
         if -result.returncode in signal.valid_signals():
             how += f" ({signal.Signals(-result.returncode).name})"
         if ending.lost is not None:  # the root runs: a lost rank, which it names to every rank
-            ending.lost(rank, f"exited with {how}: {' '.join(argv)}")
+            ending.lost(rank, "died", f"exited with {how}: {' '.join(argv)}")
             return
         msg = f"rank {rank} exited with {how}: {' '.join(argv)}"
         raise ControlChannelError(msg)

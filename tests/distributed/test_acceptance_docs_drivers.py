@@ -31,6 +31,7 @@ import pytest
 import torch
 from support import WORKERS
 from workers import acceptance_drivers_rank as worker
+from workers.records import load_record, save_record
 
 import lamploop
 from lamploop.control import TcpControlRoot, local_control
@@ -46,6 +47,7 @@ from lamploop.errors import (
     HandshakeError,
     LamploopError,
 )
+from lamploop.state import converter
 
 F64 = torch.float64
 HIDDEN = 4
@@ -476,7 +478,7 @@ def test_drive_with_nranks_other_than_the_control_channel_fails_at_start(tmp_pat
         process.kill()
         process.communicate()
         pytest.fail("drive(nranks=3) over a 2-rank channel still ran after 8 s")
-    results = torch.load(out, weights_only=False)
+    results = load_record(out)
     assert results[0]["error_type"] == "ConfigurationError", results[0]
     assert "nranks" in results[0]["message"], results[0]
     assert "LamploopError" in results[1]["error_mro"], results.get(1)
@@ -1065,7 +1067,7 @@ def test_drive_follow_over_tcp_in_separate_processes_match_reference(tmp_path: P
         init=init, train=train, valid=valid, k=k, max_epochs=6, factor=factor_of_epoch, smoothing=0.5
     )
     spec_path = tmp_path / "spec.pt"
-    torch.save(
+    save_record(
         {
             "nranks": nranks,
             "hidden": HIDDEN,
@@ -1117,7 +1119,7 @@ def test_drive_follow_over_tcp_in_separate_processes_match_reference(tmp_path: P
     final = weights(model.module)
     assert_close(final, reference.final)
     for rank in (1, 2):
-        record = torch.load(outs[rank], weights_only=False)
+        record = load_record(outs[rank])
         assert "state_dict" in record, record
         assert_bitwise(record["state_dict"], final)
 
@@ -1152,7 +1154,7 @@ def test_tcp_handshake_refuses_a_follower_that_does_not_fit(
     """
     spec_path = tmp_path / "spec.pt"
     calls = Recorder([[[(torch.zeros(2, 3, dtype=F64), torch.zeros(2, 1, dtype=F64))]]] * 3)
-    torch.save(
+    save_record(
         {"nranks": 2, "hidden": HIDDEN, "train": calls.per_rank, "valid": None, "follower_optimizer": None}
         | follower_spec,
         spec_path,
@@ -1189,7 +1191,7 @@ def test_tcp_handshake_refuses_a_follower_that_does_not_fit(
     error = unwrap(caught.value)
     assert isinstance(error, HandshakeError), repr(error)
     assert_matches(root_says, str(error))
-    record = torch.load(out, weights_only=False)
+    record = load_record(out)
     assert record.get("error_type") == "HandshakeError", (record, logs)
     assert_matches(follower_says, record["message"])
     assert calls.calls == []
@@ -1219,7 +1221,7 @@ def test_fit_world_size_2_launches_rank_1_and_matches_reference(tmp_path: Path) 
     init = initial_state(seed=6)
     batch_size, k, epochs = 3, 2, 2
     spec_path = tmp_path / "spec.pt"
-    torch.save(
+    save_record(
         {
             "hidden": HIDDEN,
             "init": init,
@@ -1251,15 +1253,16 @@ def test_fit_world_size_2_launches_rank_1_and_matches_reference(tmp_path: Path) 
     per_rank: PerRankEpochs = [[global_batches[r::2]] * epochs for r in range(2)]
     reference = Reference(init=init, train=per_rank, valid=None, k=k, max_epochs=epochs)
 
-    root = torch.load(f"{out}.rank0", weights_only=False)
-    follower = torch.load(f"{out}.rank1", weights_only=False)
+    root = load_record(f"{out}.rank0")
+    follower = load_record(f"{out}.rank1")
     assert follower["world_size_env"] == "2"
     assert follower["returned"] is None
     assert follower["on_epoch"] == []
-    state = root["returned"]
+    state = converter.structure(root["returned"], lamploop.LoopState)
+    on_epoch = [converter.structure(seen, lamploop.LoopState) for seen in root["on_epoch"]]
     assert_loop_state_matches(state, reference)
-    assert [seen.epoch for seen in root["on_epoch"]] == [1, 2]
-    assert root["on_epoch"][-1] == state
+    assert [seen.epoch for seen in on_epoch] == [1, 2]
+    assert on_epoch[-1] == state
     assert_close(root["state_dict"], reference.final)
     assert_bitwise(follower["state_dict"], root["state_dict"])
 

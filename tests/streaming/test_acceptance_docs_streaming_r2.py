@@ -29,6 +29,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from support import cutting_relay
 
 import lamploop
 from lamploop.errors import (
@@ -1133,45 +1134,6 @@ async def test_two_ranks_each_get_their_round_robin_share_of_the_producers() -> 
     assert shares == [{"sim-a": 10, "sim-c": 10}, {"sim-b": 10}]
 
 
-async def _cutting_proxy(target: tuple[str, int], cut_after: tuple[int, int], group: Any) -> tuple[str, int]:
-    """A TCP proxy to ``target`` that drops each connection once it has forwarded a random
-    number of bytes (in ``cut_after``, seeded) from the producer: a flaky network."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    draws = np.random.default_rng(0)
-
-    async def serve(client: Any) -> None:
-        limit = int(draws.integers(*cut_after))
-        async with client:
-            try:
-                upstream = await anyio.connect_tcp(*target)
-            except OSError:
-                return
-            async with upstream, anyio.create_task_group() as pipes:
-
-                async def forward(source: Any, sink: Any, limit: int | None) -> None:
-                    sent = 0
-                    try:
-                        async for chunk in source:
-                            await sink.send(chunk)
-                            sent += len(chunk)
-                            if limit is not None and sent >= limit:
-                                break
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        pass
-                    pipes.cancel_scope.cancel()
-
-                pipes.start_soon(forward, client, upstream, limit)
-                pipes.start_soon(forward, upstream, client, None)
-
-    async def run() -> None:
-        async with listener:
-            await listener.serve(serve)
-
-    address = listener.extra(anyio.abc.SocketAttribute.local_address)
-    group.start_soon(run)
-    return address[0], address[1]
-
-
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("kind", ["async", "blocking"])
 async def test_dropped_connections_lose_and_repeat_nothing(kind: str) -> None:
@@ -1195,7 +1157,10 @@ async def test_dropped_connections_lose_and_repeat_nothing(kind: str) -> None:
     with anyio.fail_after(30):
         async with SampleReceiver(buffer, token=token, expected_producers=["sim"]) as receiver:  # noqa: SIM117
             async with anyio.create_task_group() as proxies:
-                proxy = await _cutting_proxy(receiver.address, (100_000, 800_000), proxies)
+                draws = np.random.default_rng(0)  # a flaky network: each connection cut after 100-800 KiB
+                proxy = await cutting_relay(
+                    receiver.address, lambda: int(draws.integers(100_000, 800_000)), proxies
+                )
 
                 async def consume() -> None:
                     async for sample in buffer:

@@ -19,6 +19,7 @@ import anyio
 import anyio.abc
 import pytest
 import torch
+from support import cutting_relay
 
 from lamploop.errors import StreamingError
 from lamploop.streaming import FifoBuffer
@@ -31,45 +32,6 @@ RECONNECT_TIMEOUT = 1.5
 CUT_AFTER = 16 * 1024
 """Bytes from the producer a relayed connection carries: the handshake's and part of a frame
 of one 256 KiB sample."""
-
-
-async def _relay_cutting_after(target: tuple[str, int], limit: int, group: Any) -> tuple[str, int]:
-    """A relay to ``target`` that closes each connection once ``limit`` bytes from the client
-    went through; counts the connections it relayed."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-
-    async def serve(client: Any) -> None:
-        async with client:
-            try:
-                upstream = await anyio.connect_tcp(*target)
-            except OSError:
-                return
-            async with upstream, anyio.create_task_group() as pipes:
-
-                async def forward(source: Any, sink: Any, limit: int | None) -> None:
-                    sent = 0
-                    try:
-                        async for chunk in source:
-                            if limit is not None:
-                                chunk = chunk[: limit - sent]
-                            await sink.send(chunk)
-                            sent += len(chunk)
-                            if limit is not None and sent >= limit:
-                                break
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        pass
-                    pipes.cancel_scope.cancel()
-
-                pipes.start_soon(forward, client, upstream, limit)
-                pipes.start_soon(forward, upstream, client, None)
-
-    async def run() -> None:
-        async with listener:
-            await listener.serve(serve)
-
-    address = listener.extra(anyio.abc.SocketAttribute.local_address)
-    group.start_soon(run)
-    return address[0], address[1]
 
 
 def _big_sample() -> dict[str, torch.Tensor]:
@@ -96,7 +58,7 @@ async def test_a_link_cut_before_any_sample_gets_through_fails_the_producer(kind
     with anyio.fail_after(25):
         async with SampleReceiver(buffer, token=token, expected_producers=["sim"]) as receiver:
             async with anyio.create_task_group() as relays:
-                relay = await _relay_cutting_after(receiver.address, CUT_AFTER, relays)
+                relay = await cutting_relay(receiver.address, lambda: CUT_AFTER, relays)
                 if kind == "blocking":
                     await anyio.to_thread.run_sync(simulate, relay)
                 else:

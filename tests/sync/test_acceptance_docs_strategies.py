@@ -35,6 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from workers import acceptance_strategies_rank as worker
+from workers.records import load_record
 
 import lamploop
 from lamploop.errors import ConfigurationError, DistributedError, LamploopError
@@ -105,7 +106,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
             log.close()
     codes = [p.returncode for p in processes]
     assert codes == [0, 0], f"exit codes {codes}: {_tails(out)}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(worker.NRANKS)]
+    return [load_record(out / f"rank{r}.json") for r in range(worker.NRANKS)]
 
 
 def _tails(out: Path) -> str:

@@ -6,9 +6,10 @@ Usage::
     python acceptance_drivers_rank.py fit SPEC OUT
     python acceptance_drivers_rank.py local-nranks ROOT_NRANKS FOLLOWER_NRANKS OUT
 
-``SPEC`` is a ``torch.save``-d dict written by the test (the model's shape, this run's data,
-the optimizer's settings); ``OUT`` is where this rank writes what it ended with (its weights,
-or the error it raised). ``fit`` is started by the test as rank 0 and by lamploop itself
+``SPEC`` is a record written by the test (``workers.records``: JSON and safetensors, no
+pickle: the model's shape, this run's data, the optimizer's settings); ``OUT`` is where this
+rank writes what it ended with (its weights, or the error it raised), the same way.
+``fit`` is started by the test as rank 0 and by lamploop itself
 (``fit(world_size=2)`` runs the same command line again with ``LAMPLOOP_RANK`` set), so every
 rank writes ``OUT.rank<r>``.
 
@@ -27,8 +28,12 @@ from typing import Any
 import anyio
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for workers.records
+
 import lamploop
 from lamploop.control import TcpControlFollower
+from lamploop.state import converter
+from workers.records import load_record, save_record
 
 
 def build_module(hidden: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
@@ -119,12 +124,12 @@ def _fit(spec: dict[str, Any], out: Path) -> None:
     )
     record = {
         "rank": rank,
-        "returned": result,
-        "on_epoch": seen,
+        "returned": None if result is None else converter.unstructure(result),
+        "on_epoch": [converter.unstructure(state) for state in seen],
         "world_size_env": os.environ.get("LAMPLOOP_WORLD_SIZE"),
         "state_dict": {name: value.detach().clone() for name, value in module.state_dict().items()},
     }
-    torch.save(record, f"{out}.rank{rank}")
+    save_record(record, f"{out}.rank{rank}")
 
 
 async def _local_nranks(root_nranks: int, follower_nranks: int) -> dict[int, Any]:
@@ -177,14 +182,14 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     mode = argv[1]
     if mode == "local-nranks":
-        torch.save(anyio.run(_local_nranks, int(argv[2]), int(argv[3])), argv[4])
+        save_record(anyio.run(_local_nranks, int(argv[2]), int(argv[3])), argv[4])
         return 0
     spec_path, out = argv[2], Path(argv[3])
-    spec = torch.load(spec_path, weights_only=False)
+    spec = load_record(spec_path)
     if mode == "follow":
         rank, port, token = int(argv[4]), int(argv[5]), argv[6]
         record = anyio.run(_follow, spec, rank, port, token)
-        torch.save(record, out)
+        save_record(record, out)
         return 0
     if mode == "fit":
         _fit(spec, out)

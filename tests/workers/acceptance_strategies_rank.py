@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for workers.records
+from workers.records import save_record
+
 NRANKS = 2
 TIMEOUT_S = 20.0
 SMALL = (6, 10, 3)  # MLP in-hidden-out; every weight matrix is full rank with >= 6 examples a step
@@ -858,7 +861,7 @@ def main() -> None:
             results[name]["wall_s"] = time.monotonic() - started
             rank.dist.barrier()  # the next check starts together (a failed one ended on both)
     finally:
-        torch.save(results, out / f"rank{rank_index}.pt")
+        save_record(results, out / f"rank{rank_index}.json")
     rank.dist.destroy_process_group()
 
 

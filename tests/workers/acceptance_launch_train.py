@@ -46,6 +46,14 @@ LEARNING_RATE = 0.05
 MOMENTUM = 0.9
 
 
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` whole or not at all: a rank killed mid-write (torchrun stops the others)
+    leaves no half file for the test to read."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     """The whole data set, float64, the same in every process."""
     generator = torch.Generator().manual_seed(1234)
@@ -88,7 +96,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     env_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-    (out / f"pid-{env_rank}-{restart}").write_text(str(os.getpid()))
+    _write(out / f"pid-{env_rank}-{restart}", str(os.getpid()))
 
     import lamploop
 
@@ -133,13 +141,13 @@ def main() -> int:
     except BaseException as error:  # the test reads what happened
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()
-        (out / f"rank{env_rank}-restart{restart}.json").write_text(json.dumps(result))
+        _write(out / f"rank{env_rank}-restart{restart}.json", json.dumps(result))
         print(result["error"], file=sys.stderr, flush=True)
         return 1
     result["returned"] = None if state is None else {"epoch": state.epoch}
     result["hex"] = {name: [float(v).hex() for v in values] for name, values in parameters(module).items()}
     result["params"] = parameters(module)
-    (out / f"rank{env_rank}-restart{restart}.json").write_text(json.dumps(result))
+    _write(out / f"rank{env_rank}-restart{restart}.json", json.dumps(result))
     return 0
 
 

@@ -163,7 +163,7 @@ class AsyncProducer(ProducerConnectionLoop):
         self._tls = tls.check_context("ssl_context", ssl_context, server_side=False)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._changed = _Signal()
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._queued = 0  # senders waiting for room in the window
         self._entered = self._closed = False
         self._done_requested = self._finished = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import anyio
@@ -32,7 +33,7 @@ from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError, SampleMismatchError
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
-from lamploop.streaming.sample_rows import stack_rows
+from lamploop.streaming.sample_rows import row_runs, stack_runs
 from lamploop.streaming.tensor_bytes import describe_mismatch, signature_of
 
 __all__ = [
@@ -49,12 +50,14 @@ WAIT_SLICE_S = 0.1
 
 Collate = Callable[[Sequence[Sample]], Any]
 
+_TENSORS = attrgetter("tensors")
+
 
 def stack_samples(features: str = "x", target: str = "y") -> Collate:
     """A collate function: ``(stack of samples' features, stack of their targets)``.
 
     Received samples that follow each other in their frame are copied as one slice per tensor
-    (:func:`~lamploop.streaming.sample_rows.stack_rows`), equal to ``torch.stack``'s result.
+    (:func:`~lamploop.streaming.sample_rows.stack_runs`), equal to ``torch.stack``'s result.
 
     Raises (from the collate function):
         SampleMismatchError: a sample's tensor has another shape than the first sample's
@@ -64,9 +67,11 @@ def stack_samples(features: str = "x", target: str = "y") -> Collate:
 
     def collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            rows = [s.tensors for s in samples]
-            x, y = stack_rows(rows, features), stack_rows(rows, target)
-            if x is None or y is None:  # not all of them received rows: one by one
+            rows = list(map(_TENSORS, samples))
+            runs = row_runs(rows)
+            if runs is not None:
+                x, y = stack_runs(runs, features), stack_runs(runs, target)
+            else:  # not all of them received rows: one by one
                 x = torch.stack([row[features] for row in rows])
                 y = torch.stack([row[target] for row in rows])
         except KeyError as missing:

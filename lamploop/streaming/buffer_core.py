@@ -6,9 +6,11 @@ follows are :mod:`lamploop.streaming.buffers`' docstring (import the buffers fro
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any, ClassVar
 
 import anyio
@@ -30,6 +32,10 @@ from lamploop.streaming.buffer_settings import (
 from lamploop.streaming.buffer_state import BufferState, capture, restore
 from lamploop.streaming.buffer_wakes import Waiters
 from lamploop.streaming.sample import Sample
+
+_PRODUCER = operator.attrgetter("producer")
+_SEQ = operator.attrgetter("seq")
+_SAMPLE = operator.attrgetter("sample")
 
 __all__ = ["StreamBuffer"]
 
@@ -128,13 +134,19 @@ class StreamBuffer:
                 before it) from its producer.
         """
         with self._lock:
-            self._check_puts(samples)
+            one_producer = self._one_producer_in_order(samples)
+            if one_producer is None:
+                self._check_puts(samples)
             if self._on_evict is not None:  # it may look at the buffer between two puts
                 return self._put_each(samples, self._on_evict)
             taken, evicted = self._policy.insert_many(self._resident, samples, self._capacity, self._rng)
             self._evicted += len(evicted)
-            for sample in samples[:taken]:
-                self._last_seq[sample.producer] = sample.seq
+            if one_producer is not None:
+                if taken:
+                    self._last_seq[one_producer] = samples[taken - 1].seq
+            else:
+                for sample in samples[:taken]:
+                    self._last_seq[sample.producer] = sample.seq
             self._received += taken
             if taken:
                 self._wake_readers()
@@ -156,6 +168,20 @@ class StreamBuffer:
         if taken:
             self._wake_readers()
         return taken
+
+    def _one_producer_in_order(self, samples: Sequence[Sample]) -> str | None:
+        """The producer of ``samples`` when they all come from one, in increasing seqs after its
+        last one put, and the buffer is open (a frame's samples: checked by a few calls over the
+        whole batch, not a step of Python per sample); else ``None`` (:meth:`_check_puts` checks
+        them one by one, and says what is wrong)."""
+        if not samples or self._closed or len(set(map(_PRODUCER, samples))) != 1:
+            return None
+        producer = samples[0].producer
+        seqs = list(map(_SEQ, samples))
+        previous = self._last_seq.get(producer)
+        if previous is not None and seqs[0] <= previous:
+            return None
+        return producer if all(map(operator.lt, seqs, islice(seqs, 1, None))) else None
 
     def _check_puts(self, samples: Sequence[Sample]) -> None:
         """Raise if the buffer is closed (and ``samples`` is not empty) or a sample is out of order."""
@@ -229,7 +255,7 @@ class StreamBuffer:
         self._read_total += len(read)
         if any_left:
             self._wake_writers()
-        return [slot.sample for slot in read]
+        return list(map(_SAMPLE, read))
 
     def _wake_readers(self) -> None:
         self._readers.wake()

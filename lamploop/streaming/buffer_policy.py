@@ -216,7 +216,7 @@ class FifoPolicy(Policy):
         if type(self).full is not Policy.full or type(self).insert is not Policy.insert:
             return super().insert_many(slots, samples, capacity, rng)  # a subclass decides
         taken = min(max(capacity - len(slots), 0), len(samples))
-        slots.extend([Slot(sample) for sample in samples[:taken]])
+        slots.extend(map(Slot, samples[:taken]))
         return taken, []
 
     def read_many(

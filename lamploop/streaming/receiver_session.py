@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 
 import anyio
 import attrs
@@ -178,7 +179,9 @@ class Intake:
         step; a sample it has no room for goes through ``put`` (which waits), then the rest again.
         """
         first = batch.first_seq
-        samples = [Sample(name, first + i, batch.samples[i]) for i in range(max(skip, 0), stop)]
+        begin = max(skip, 0)
+        seqs = range(first + begin, first + stop)
+        samples = list(map(Sample, repeat(name), seqs, batch.samples[begin:stop]))
         share = nbytes / len(batch.samples)
         done = 0
         while done < len(samples):

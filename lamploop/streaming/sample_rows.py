@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SampleRow", "single_row", "stack_rows"]
+__all__ = ["SampleRow", "row_runs", "single_row", "stack_rows", "stack_runs"]
 
 
 class SampleRow(Mapping[str, torch.Tensor]):
@@ -59,16 +59,12 @@ def single_row(tensors: Mapping[str, torch.Tensor]) -> SampleRow:
     return SampleRow({name: tensor.unsqueeze(0) for name, tensor in tensors.items()}, 0)
 
 
-def stack_rows(rows: Sequence[Any], name: str) -> torch.Tensor | None:
-    """``torch.stack([row[name] for row in rows])`` when every one of ``rows`` is a
-    :class:`SampleRow`, made from one slice of the columns per stretch of rows that follow each
-    other in one run; ``None`` when one is not (stack them one by one).
-
-    Raises:
-        KeyError: a row has no tensor ``name``.
-        RuntimeError: torch's, when rows of different runs have different shapes.
-    """
-    pieces: list[torch.Tensor] = []
+def row_runs(rows: Sequence[Any]) -> list[tuple[Mapping[str, torch.Tensor], int, int]] | None:
+    """The stretches of ``rows`` that follow each other in one run, as ``(columns, first, end)``
+    (rows ``first`` to ``end - 1`` of ``columns``), when every one of ``rows`` is a
+    :class:`SampleRow`; ``None`` when one is not (or ``rows`` is empty).  Found once for all of
+    a batch's tensor names."""
+    runs: list[tuple[Mapping[str, torch.Tensor], int, int]] = []
     columns: Mapping[str, torch.Tensor] | None = None
     first = end = 0
     for row in rows:
@@ -78,10 +74,34 @@ def stack_rows(rows: Sequence[Any], name: str) -> torch.Tensor | None:
             end += 1
             continue
         if columns is not None:
-            pieces.append(columns[name][first:end])
+            runs.append((columns, first, end))
         columns, first, end = row.columns, row.index, row.index + 1
     if columns is None:
         return None
-    pieces.append(columns[name][first:end])
+    runs.append((columns, first, end))
+    return runs
+
+
+def stack_runs(runs: Sequence[tuple[Mapping[str, torch.Tensor], int, int]], name: str) -> torch.Tensor:
+    """The rows of ``runs`` (:func:`row_runs`) of tensor ``name``, stacked: one slice per run,
+    copied once (a copy even of one slice: the batch never shares memory with a buffered sample).
+
+    Raises:
+        KeyError: a run has no tensor ``name``.
+        RuntimeError: torch's, when runs have different shapes.
+    """
     # torch.cat copies even one piece: the batch never shares memory with a buffered sample.
-    return torch.cat(pieces)
+    return torch.cat([columns[name][first:end] for columns, first, end in runs])
+
+
+def stack_rows(rows: Sequence[Any], name: str) -> torch.Tensor | None:
+    """``torch.stack([row[name] for row in rows])`` when every one of ``rows`` is a
+    :class:`SampleRow`, made from one slice of the columns per stretch of rows that follow each
+    other in one run; ``None`` when one is not (stack them one by one).
+
+    Raises:
+        KeyError: a row has no tensor ``name``.
+        RuntimeError: torch's, when rows of different runs have different shapes.
+    """
+    runs = row_runs(rows)
+    return None if runs is None else stack_runs(runs, name)

@@ -101,7 +101,7 @@ async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version:
     try:
         challenge = judge_challenge(await conn.receive(), Challenge)
     except NotAChallenge as exc:
-        msg = f"rank {rank}: {conn.peer} {exc.what} instead of a challenge: is it a lamploop root?"
+        msg = f"rank {rank}: {conn.peer} {exc.what}: is it a lamploop root?"
         raise ControlChannelError(msg) from None
     hello = Hello(protocol_version, rank, run.nranks, run.model_spec, new_nonce(), proof="")
     hello = attrs.evolve(hello, proof=follower_proof(run.token, root_nonce=challenge.nonce, hello=hello))

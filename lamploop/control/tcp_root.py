@@ -121,6 +121,7 @@ class TcpControlRoot:
         self._all_served = anyio.Event()
         self._rendezvous_sent = False
         self._stop_sent = False
+        self._said_goodbye = False  # __aexit__ told the followers why the run ends (or Stop did)
         self._welcomed: set[int] = set()  # those whose Welcome went out: Interrupts may follow it
         self._stop_reason: str | None = None  # the first rank's request to stop every rank
         self._stop_requested = anyio.Event()
@@ -175,6 +176,9 @@ class TcpControlRoot:
             # Read each follower until it closes too, so that nothing we sent is lost to a reset.
             if self._serving:
                 await self._all_served.wait()
+        self._said_goodbye = True
+        for conn in list(self._peers.values()):  # those a cancellation left open for the Abort
+            await conn.aclose()
         return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
 
     def _wake_up(self) -> None:
@@ -303,12 +307,19 @@ class TcpControlRoot:
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         conn = Connection(stream, link=self._link, preauth_frame_bytes=self._preauth_frame_bytes())
+        left_open = False
         try:
             rank = await self._admit(conn)
             if rank is not None:
                 await self._serve_peer(conn, rank)
+        except anyio.get_cancelled_exc_class():
+            # Cancelled from outside before the root said goodbye: leaving its block, the root
+            # tells this follower why (an Abort), and only then closes the connection (__aexit__).
+            left_open = conn.rank is not None and not self._said_goodbye
+            raise
         finally:
-            await conn.aclose()
+            if not left_open:
+                await conn.aclose()
 
     async def _admit(self, conn: Connection) -> int | None:
         """Admit ``conn`` and welcome it; the follower's rank, ``None`` if refused.

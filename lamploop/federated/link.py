@@ -139,7 +139,7 @@ async def join_aggregator(link: Link, token: bytes, name: str) -> None:
     try:
         challenge = judge_challenge(await link.receive(), Challenge)
     except NotAChallenge as exc:
-        msg = f"the aggregator at {link.peer} {exc.what} instead of a challenge"
+        msg = f"the aggregator at {link.peer} {exc.what}"
         raise HandshakeError(msg) from None
     mismatch = version_mismatch(
         challenge.protocol_version,

@@ -101,7 +101,7 @@ async def greet(
             try:
                 challenge = judge_challenge(await conn.receive(), Challenge)
             except NotAChallenge as exc:
-                raise ConnectionLost(f"{receiver} {exc.what} instead of a challenge") from None
+                raise ConnectionLost(f"{receiver} {exc.what}") from None
             mismatch = version_mismatch(
                 challenge.protocol_version,
                 PROTOCOL_VERSION,

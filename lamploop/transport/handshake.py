@@ -172,7 +172,8 @@ class Refusal(Exception):
 
 
 class NotAChallenge(Exception):
-    """A client's first frame was no challenge; ``what`` completes "the server ... instead of a challenge"."""
+    """A client's first frame was no challenge with a well-formed nonce; ``what`` completes a
+    message "the server ..." ("sent Heartbeat instead of a challenge")."""
 
     def __init__(self, what: str) -> None:
         super().__init__(what)
@@ -247,9 +248,12 @@ def judge_challenge(message: object, challenge_type: type[Any]) -> Any:
     Raises:
         NotAChallenge: it is not (``what`` says what came instead).
     """
-    if isinstance(message, challenge_type) and is_nonce(getattr(message, "nonce", None)):
-        return message
-    raise NotAChallenge(_what_came(message))
+    if not isinstance(message, challenge_type):
+        raise NotAChallenge(f"{_what_came(message)} instead of a challenge")
+    nonce = getattr(message, "nonce", None)
+    if not is_nonce(nonce):
+        raise NotAChallenge(f"sent a challenge whose nonce is not 64 lowercase hex digits: {nonce!r:.80}")
+    return message
 
 
 WelcomeFailure: TypeAlias = Literal["refused", "no welcome", "unproven"]

@@ -47,6 +47,7 @@ async def wrap(
         TransportError: the TLS handshake failed (a certificate not trusted, a peer that
             does not speak TLS, a hang-up); the message says why.
     """
+    peer = remote(stream)  # before the handshake: a failed one may close the socket
     try:
         return await TLSStream.wrap(
             stream,
@@ -56,5 +57,5 @@ async def wrap(
             standard_compatible=False,
         )
     except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:  # ssl.SSLError is an OSError
-        msg = f"the TLS handshake with {remote(stream)} failed: {explain(exc)}"
+        msg = f"the TLS handshake with {peer} failed: {explain(exc)}"
         raise TransportError(msg) from exc

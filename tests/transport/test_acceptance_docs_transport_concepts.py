@@ -712,12 +712,6 @@ async def test_a_follower_refuses_a_challenge_with_a_malformed_nonce_before_answ
     assert server.hellos == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: errors.py 'Each message names the offending value' and transport.md's client check "
-    "'a challenge with a well-formed nonce' vs the control follower's message 'the root ... sent Challenge "
-    "instead of a challenge', which names neither the nonce nor what is wrong with it",
-)
 async def test_a_followers_error_for_a_malformed_nonce_says_what_is_wrong() -> None:
     """As the streaming and federated clients do ('nonce must be 64 lowercase hex digits, got 'xyz'')."""
     async with fake_server(control_challenge(nonce="xyz"), None) as (port, _server):
@@ -1132,12 +1126,6 @@ async def test_tls_failures_are_transport_errors_that_say_why(
             check_context("ssl_context", context, server_side=side)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: control-channel.md/transport.md 'transport errors wrapped with what happened and which "
-    "peer' vs tls.wrap's error for a peer that hangs up during the TLS handshake: 'the TLS handshake with "
-    "an unknown peer failed: EndOfStream', though the peer's host:port is known",
-)
 async def test_a_tls_hang_up_names_the_peer(tls_contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
     client, server = await tcp_pair()
     address = f"127.0.0.1:{server.extra(SocketAttribute.local_port)}"
@@ -1346,18 +1334,7 @@ def tcp_follower(address: tuple[str, int], rank: int, nranks: int, **kw: Any) ->
     "kind",
     [
         "local",
-        pytest.param(
-            "tcp",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="DEFECT: concepts/control-channels.md 'Leaving the root's async with block "
-                "without having broadcast Stop (an error, a cancellation) tells every follower the run "
-                "was aborted: their iterators raise PeerLostError with the reason' (control-channel.md: "
-                "'and why') vs a cancelled TcpControlRoot sends no Abort: followers get how='closed', "
-                "'the root ... closed the connection before Stop', no reason (local_control says 'the "
-                "root was cancelled')",
-            ),
-        ),
+        "tcp",
     ],
 )
 async def test_a_cancelled_root_tells_every_follower_the_run_was_aborted_and_why(kind: str) -> None:

@@ -86,4 +86,4 @@ def test_streaming_and_federated_share_the_transports_challenge() -> None:
         Challenge(2, "not a nonce")
     with pytest.raises(NotAChallenge) as info:
         judge_challenge(None, Challenge)
-    assert info.value.what == "closed the connection"
+    assert info.value.what == "closed the connection instead of a challenge"

@@ -121,7 +121,7 @@ class TcpControlRoot:
         self._all_served = anyio.Event()
         self._rendezvous_sent = False
         self._stop_sent = False
-        self._said_goodbye = False  # __aexit__ told the followers why the run ends (or Stop did)
+        self._said_goodbye = False  # __aexit__ said its last words (an Abort unless Stop went out)
         self._welcomed: set[int] = set()  # those whose Welcome went out: Interrupts may follow it
         self._stop_reason: str | None = None  # the first rank's request to stop every rank
         self._stop_requested = anyio.Event()

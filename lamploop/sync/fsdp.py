@@ -328,10 +328,23 @@ class FullyShard:
         sharding replaces every parameter by a ``DTensor`` shard.
 
         Raises:
-            ConfigurationError: ``module`` is sharded already, the device is not supported, or
-                this torch's FSDP2 lacks a method it needs (:func:`check_fsdp2_api`).
+            ConfigurationError: ``collectives`` is not lamploop's :class:`Collectives` (a bare
+                process group, say) or ``module`` no ``torch.nn.Module``; ``module`` is sharded
+                already, the device is not supported, or this torch's FSDP2 lacks a method it
+                needs (:func:`check_fsdp2_api`).
         """
         check_fsdp2_api()
+        if not isinstance(collectives, Collectives):
+            msg = (
+                "FullyShard.shard(collectives, module): collectives must be lamploop.sync.Collectives "
+                f"(which wraps the process group with its rank, device and timeout), got "
+                f"{type(collectives).__name__}"
+            )
+            raise ConfigurationError(msg)
+        if not isinstance(module, torch.nn.Module):
+            what = type(module).__name__
+            msg = f"FullyShard.shard(collectives, module): module must be a torch.nn.Module, got {what}"
+            raise ConfigurationError(msg)
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         from lamploop.sync.fsdp_collectives import AbortableAllGather, AbortableReduceScatter, mesh_of

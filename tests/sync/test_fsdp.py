@@ -329,6 +329,22 @@ def test_refuses_an_unsharded_model_and_a_bad_dtype() -> None:
         FullyShard(param_dtype="fp8")
 
 
+def test_shard_refuses_a_bare_process_group_and_a_module_that_is_none(tmp_path: Path) -> None:
+    """``shard`` takes lamploop's Collectives; a torch process group (what FSDP2's own
+    ``fully_shard`` takes) is refused naming both, not an AttributeError from inside."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    group = dist.ProcessGroupGloo(store, 0, 1)
+    module = worker.mlp()
+    with pytest.raises(ConfigurationError, match=r"Collectives .*got ProcessGroupGloo"):
+        FullyShard().shard(group, module)  # type: ignore[arg-type]
+    collectives = Collectives(group, rank=0, nranks=1, device=torch.device("cpu"), timeout=5.0)
+    with pytest.raises(ConfigurationError, match=r"module must be a torch.nn.Module, got NoneType"):
+        FullyShard().shard(collectives, None)  # type: ignore[arg-type]
+    assert not any(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
 def test_a_torch_whose_fsdp2_lacks_a_needed_method_is_refused_before_anything_starts(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -28,7 +28,16 @@ from lamploop.checks import check_bool, check_int, int_at_least
 from lamploop.errors import ConfigurationError
 from lamploop.model import unwrapped
 
-__all__ = ["EMA", "SWA", "Averaging", "WeightAverage", "ema", "install_average", "swa"]
+__all__ = [
+    "EMA",
+    "SWA",
+    "Averaging",
+    "WeightAverage",
+    "check_averaging_starts",
+    "ema",
+    "install_average",
+    "swa",
+]
 
 
 def _check_decay(where: str, decay: object) -> float:
@@ -127,6 +136,21 @@ class WeightAverage:
         state = {name: t.detach().clone() for name, t in self.module.state_dict().items()}
         state.update({name: t.clone() for name, t in self.parameters.items()})
         return state
+
+
+def check_averaging_starts(where: str, averaging: Averaging | None, max_epochs: int) -> None:
+    """Refuse an SWA that would never average: ``start_epoch`` at or after the last epoch.
+
+    Raises:
+        ConfigurationError: ``averaging`` is ``swa(start_epoch)`` with ``start_epoch >=
+            max_epochs`` (the epochs are ``0 .. max_epochs - 1``).
+    """
+    if isinstance(averaging, SWA) and averaging.start_epoch >= max_epochs:
+        msg = (
+            f"{where}: swa(start_epoch={averaging.start_epoch}) never averages with max_epochs={max_epochs} "
+            f"(epochs 0 to {max_epochs - 1}): start it at an epoch before {max_epochs}"
+        )
+        raise ConfigurationError(msg)
 
 
 async def install_average(

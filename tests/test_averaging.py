@@ -135,3 +135,14 @@ def test_bad_averaging_is_refused() -> None:
         swa(-1)
     with pytest.raises(ConfigurationError, match=r"averaging must be lamploop\.averaging\.ema"):
         lamploop.settings.TrainingSettings(averaging=0.99)  # type: ignore[arg-type]
+
+
+def test_an_swa_that_would_never_average_is_refused_before_training(tmp_path: Path) -> None:
+    """swa(start_epoch) at or after max_epochs never updates: refused up front, nothing trained."""
+    module = _module()
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    with pytest.raises(ConfigurationError, match=r"swa\(start_epoch=4\) never averages with max_epochs=4"):
+        _fit(module, swa(EPOCHS), checkpoint_dir=tmp_path)
+    assert all(torch.equal(t, before[name]) for name, t in module.state_dict().items())
+    assert not any(tmp_path.iterdir())
+    _fit(_module(), swa(EPOCHS - 1))  # from the last epoch on: taken (one update)

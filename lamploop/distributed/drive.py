@@ -32,6 +32,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
+from lamploop.averaging import check_averaging_starts
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint import RngStates
 from lamploop.checkpoint.checkpointer import Checkpointer
@@ -242,6 +243,7 @@ async def drive_distributed_training(
     )
     check_reporters("drive_distributed_training", reporters)
     check_sharded_strategy("drive_distributed_training", settings, control=control)
+    check_averaging_starts("drive_distributed_training", settings.averaging, settings.max_epochs)
     if settings.strategy == SHARDED and isinstance(checkpoint_state, Checkpointer):
         msg = (
             "drive_distributed_training: strategy 'fsdp' writes checkpoints with every rank's "

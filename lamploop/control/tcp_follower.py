@@ -107,6 +107,7 @@ class TcpControlFollower:
         self._tls = tls.check_context("ssl_context", ssl_context, server_side=False)
         self._sup = Supervisor(on_failure=self._wake_up)
         self._conn: Connection | None = None
+        self._join_called = False
         self._rendezvous: Rendezvous | None = None
         self._rendezvous_or_failed = anyio.Event()
         self._drained = anyio.Event()
@@ -169,9 +170,10 @@ class TcpControlFollower:
             PeerLostError: the root went silent, disconnected or aborted before the rendezvous.
         """
         tg = self._sup.tg
-        if self._conn is not None:
+        if self._join_called:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
+        self._join_called = True  # before the first await: a concurrent second call is refused too
         deadline = anyio.current_time() + self._connect_timeout
         conn = await self._connect_and_greet(deadline)
         while conn is None:  # the previous run's root, still ending: until this run's root listens

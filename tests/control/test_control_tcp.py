@@ -557,3 +557,26 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
 def test_a_follower_rank_must_be_a_follower_rank() -> None:
     with pytest.raises(ConfigurationError, match=r"rank must be an integer in \[1, 1\], got 0"):
         follower(("127.0.0.1", 1234), 0, 2)
+
+
+async def test_a_second_join_while_the_first_is_still_greeting_is_refused() -> None:
+    """join() twice is a ControlChannelError, also when the second call comes while the first
+    one still connects (it once was refused only after the first had joined)."""
+    with anyio.fail_after(10):
+        async with root(2) as the_root, anyio.create_task_group() as tg:
+            end = follower(the_root.address, 1, 2)
+            async with end:
+                joined = anyio.Event()
+
+                async def first() -> None:
+                    await end.join()
+                    joined.set()
+
+                tg.start_soon(first)
+                await anyio.lowlevel.checkpoint()  # the first join() is at its first wait now
+                assert not joined.is_set()
+                with pytest.raises(ControlChannelError, match=r"rank 1 already called join\(\)"):
+                    await end.join()
+                await the_root.on_rendezvous_ready(RENDEZVOUS)
+                await joined.wait()
+                await the_root.broadcast(Stop(reason="done"))

@@ -122,6 +122,7 @@ async def local_data_parallel_training_loop(
     learning_rate_schedule_init_state: S | None = None,
     validation_loss_exponential_smoothing_factor: float = 1.0,
     *,
+    host: str = "127.0.0.1",
     settings: TrainingSettings | None = None,
     **keywords: Unpack[LocalSettingKeywords],
 ) -> LoopState:
@@ -130,8 +131,9 @@ async def local_data_parallel_training_loop(
     Each element of ``models_with_data_streams`` is ``(model, train_batches,
     validation_batches)`` for one replica; a replica trains on the device its parameters are
     on.  The trained (best) model ends in the *first* model.  The other arguments are those
-    of :func:`drive_distributed_training`: ``settings=`` (a :class:`TrainingSettings`) or the
-    older keywords one setting each (:class:`~lamploop.settings.LocalSettingKeywords`), not both.
+    of :func:`drive_distributed_training`: ``host`` (where the tensor channel's store listens),
+    ``settings=`` (a :class:`TrainingSettings`) or the older keywords one setting each
+    (:class:`~lamploop.settings.LocalSettingKeywords`), not both.
 
     Raises:
         ConfigurationError: no replicas, or replicas on one CUDA device; a replica that is
@@ -193,6 +195,7 @@ async def local_data_parallel_training_loop(
                     checkpoint_state=checkpoint_state,
                     init_state=init_state,
                     learning_rate_schedule_init_state=learning_rate_schedule_init_state,
+                    host=host,
                     settings=merged,
                 )
             )

@@ -7,6 +7,7 @@ loss divided by the number of examples.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -168,6 +169,11 @@ class SupervisedModel:
             raise _not_a_sum_and_count(self.loss, result, f"a loss sum that is {_described(loss_sum)}")
         if isinstance(count, bool) or not isinstance(count, numbers.Real | torch.Tensor):
             raise _not_a_sum_and_count(self.loss, result, f"an example count that is {_described(count)}")
+        if isinstance(count, numbers.Real) and not 0 <= count < math.inf:
+            # A negative count flips the step's gradient (the sum is divided by the counts' total);
+            # a tensor's is not looked at (that would wait for the device at every batch).
+            what = f"an example count of {count} (not >= 0 and finite)"
+            raise _not_a_sum_and_count(self.loss, result, what)
         return result
 
 

@@ -76,7 +76,18 @@ def rank_extra_name(name: str, rank: int) -> str:
 
 
 def extra_file(name: str) -> str:
-    """The file holding extra ``name``'s tensors: ``extra-<name>.safetensors``."""
+    """The file holding extra ``name``'s tensors: ``extra-<name>.safetensors``.
+
+    Raises:
+        ConfigurationError: ``name`` is not 1 to 100 of ``A-Z a-z 0-9 _ . -`` (not starting
+            with ``.`` or ``-``): the file stays in its checkpoint's directory.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        msg = (
+            "extra_file: an extra's name is 1 to 100 of A-Z a-z 0-9 _ . - (not starting with . or -), "
+            f"got {name!r:.80}"
+        )
+        raise ConfigurationError(msg)
     return f"extra-{name}.safetensors"
 
 

@@ -11,6 +11,7 @@ from typing import Any, Final
 import attrs
 
 from lamploop.checkpoint.rng import _RngRecord
+from lamploop.checks import check_int
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec
 from lamploop.state import LoopState
@@ -43,13 +44,24 @@ _CHUNK: Final = 1 << 20
 
 def checkpoint_name(epoch: int, step: int | None = None) -> str:
     """The directory name of the checkpoint a run resumes at: ``epoch-000006`` (the start of
-    epoch 6), or ``epoch-000005-step-000120`` (epoch 5 after its 120th step)."""
-    return f"epoch-{epoch:06d}" if step is None else f"epoch-{epoch:06d}-step-{step:06d}"
+    epoch 6), or ``epoch-000005-step-000120`` (epoch 5 after its 120th step).
+
+    Raises:
+        ConfigurationError: ``epoch`` or ``step`` is not an int >= 0.
+    """
+    check_int("checkpoint_name: epoch", epoch, 0)
+    if step is None:
+        return f"epoch-{epoch:06d}"
+    return f"epoch-{epoch:06d}-step-{check_int('checkpoint_name: step', step, 0):06d}"
 
 
 def rank_rng_file(rank: int) -> str:
-    """The file of rank ``rank``'s RNG states (ranks 1 and up; rank 0's are :data:`RNG_FILE`)."""
-    return f"rng-rank{rank}.safetensors"
+    """The file of rank ``rank``'s RNG states (ranks 1 and up; rank 0's are :data:`RNG_FILE`).
+
+    Raises:
+        ConfigurationError: ``rank`` is not an int >= 1.
+    """
+    return f"rng-rank{check_int('rank_rng_file: rank', rank, 1)}.safetensors"
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ and :func:`~lamploop.local_data_parallel_training_loop` check their arguments al
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,13 @@ def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool =
     if factory is None and optional:
         return
     if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
+        if not _takes_one_argument(factory):
+            msg = (
+                f"{where}: {name} must take the batch context (one positional argument: a "
+                f"lamploop.BatchContext with epoch, rank, nranks), but its signature is "
+                f"{_signature(factory)}; e.g. lambda context: stream_for(context.epoch)"
+            )
+            raise ConfigurationError(msg)
         return
     kind = type(factory).__name__
     if isinstance(factory, torch.utils.data.DataLoader):
@@ -51,6 +59,24 @@ def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool =
         f"got {kind}; make one with {hint}"
     )
     raise ConfigurationError(msg)
+
+
+def _takes_one_argument(factory: Any) -> bool:
+    """Whether ``factory(context)`` binds (``True`` too when the signature cannot be read)."""
+    try:
+        inspect.signature(factory).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a readable signature: it will say so when called
+        return True
+    return True
+
+
+def _signature(factory: Any) -> str:
+    try:
+        return f"{getattr(factory, '__qualname__', type(factory).__name__)}{inspect.signature(factory)}"
+    except (TypeError, ValueError):
+        return type(factory).__name__
 
 
 def check_reporters(where: str, reporters: Any) -> None:

@@ -43,11 +43,20 @@ def federated_average(
         names: the tensors to average; the others keep ``global_model``'s value.
 
     Raises:
-        FederatedError: no update, no examples in all, or an update whose tensors do not
-            match the global model (naming the node and the tensor).
+        FederatedError: no update, no examples in all, a sample count that is not an int >= 0
+            (naming the node), a name in ``names`` the global model lacks, or an update whose
+            tensors do not match the global model (naming the node and the tensor).
     """
     if not updates:
         msg = "FedAvg of no update"
+        raise FederatedError(msg)
+    for node, count, _ in updates:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            msg = f"FedAvg: node {node!r} reported a sample count of {count!r}, not an int >= 0"
+            raise FederatedError(msg)
+    unknown = sorted(set(names) - set(global_model))
+    if unknown:
+        msg = f"FedAvg: names {unknown} are not tensors of the global model (it has {list(global_model)[:8]})"
         raise FederatedError(msg)
     total = sum(count for _, count, _ in updates)
     if total <= 0:

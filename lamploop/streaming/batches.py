@@ -29,7 +29,7 @@ import anyio.lowlevel
 import torch
 
 from lamploop.batches import BatchContext, BatchStreamFactory
-from lamploop.checks import check_int
+from lamploop.checks import check_callable, check_int
 from lamploop.errors import ConfigurationError, SampleMismatchError
 from lamploop.streaming.buffers import StreamBuffer, StreamEnded
 from lamploop.streaming.sample import Sample
@@ -62,8 +62,13 @@ def stack_samples(features: str = "x", target: str = "y") -> Collate:
     Raises (from the collate function):
         SampleMismatchError: a sample's tensor has another shape than the first sample's
             (it names the sample's producer and seq, the tensor and both shapes).
-        ConfigurationError: a sample has no tensor named ``features`` or ``target``.
+        ConfigurationError: a sample has no tensor named ``features`` or ``target``; when made,
+            ``features`` or ``target`` is not a str.
     """
+    for name, value in (("features", features), ("target", target)):
+        if not isinstance(value, str):
+            msg = f"stack_samples: {name} is a tensor's name (a str), got {type(value).__name__}"
+            raise ConfigurationError(msg)
 
     def collate(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -184,18 +189,32 @@ def buffer_batches(
         ended (:class:`~lamploop.errors.StreamExhausted`, caught by :func:`lamploop.epochs`).
 
     Raises:
-        ConfigurationError: a count is not a positive int, or ``batch_size`` exceeds the
-            buffer's capacity (a batch could never be filled).
+        ConfigurationError: ``buffer`` is not a streaming buffer, ``collate`` not callable, a
+            count not a positive int, ``batch_size`` exceeds the buffer's capacity (a batch
+            could never be filled), or no event loop runs here.
     """
+    if not isinstance(buffer, StreamBuffer):
+        what = type(buffer).__name__
+        msg = f"buffer_batches: buffer must be a lamploop.streaming buffer (FifoBuffer...), got {what}"
+        raise ConfigurationError(msg)
     try:
         check_int("batch_size", batch_size, 1)
         check_int("batches_per_epoch", batches_per_epoch, 1)
+        check_callable("collate", collate, optional=True)
     except ConfigurationError as exc:
         msg = f"buffer_batches: {exc}"
         raise ConfigurationError(msg) from None
     if batch_size > buffer.capacity:
         msg = f"buffer_batches: batch_size={batch_size} exceeds the buffer's capacity {buffer.capacity}"
         raise ConfigurationError(msg)
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:  # anyio's NoEventLoopError
+        msg = (
+            "buffer_batches: make it on the event loop where the receiver was opened (inside "
+            "anyio.run / fit_async), not outside any event loop: its streams wait on that loop"
+        )
+        raise ConfigurationError(msg) from None
     reader = _BufferReader(buffer)
     make_batch = collate if collate is not None else stack_samples()
 

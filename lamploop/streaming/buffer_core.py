@@ -18,6 +18,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
+from lamploop.checks import check_callable
 from lamploop.errors import BufferClosedError, ConfigurationError, DuplicateSampleError, StreamEnded
 from lamploop.streaming.buffer_policy import Policy, Slot
 from lamploop.streaming.buffer_settings import (
@@ -95,6 +96,8 @@ class StreamBuffer:
         self._watermark, self._max_reads = settings.watermark, settings.max_reads
         self._rng = np.random.Generator(np.random.PCG64(settings.seed))
         self._resident = self._policy.storage()
+        check_callable(f"{type(self).__name__}: on_read", on_read, optional=True)
+        check_callable(f"{type(self).__name__}: on_evict", on_evict, optional=True)
         self._on_read = on_read
         self._on_evict = on_evict
         self._received = 0

@@ -391,17 +391,6 @@ def test_fp16_on_two_ranks_every_rank_skips_the_same_steps() -> None:
     assert_bitwise(modules[0], modules[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT: training.md:12-16 says fp16 follows torch.amp.GradScaler's rules (a step is skipped "
-        "when its gradients hold an inf); with 2 ranks the first step of every epoch is backpropagated "
-        "with `scale / 1` (the count guess of a pass's first step) instead of `scale / count`, so its "
-        "float16 gradients are count times GradScaler's and overflow: a step GradScaler takes is "
-        "skipped and the scale halves every epoch (3 skipped steps in 3 epochs, scale 2^13, where "
-        "GradScaler on the union and 1 rank skip none)"
-    ),
-)
 def test_fp16_on_two_ranks_skips_only_the_steps_grad_scaler_skips_on_the_union() -> None:
     """training.md: fp16 "with `torch.amp.GradScaler`'s rules ... a step whose gradients hold an
     inf or a NaN is skipped while the scale halves (from 2^16)"; README: "R ranks x k accumulated

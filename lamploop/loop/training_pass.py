@@ -160,6 +160,7 @@ class TrainingPass:
         if self.pads:
             self.any_more = self._every_rank_starts()
         while True:
+            exact_step = self._exact_first_step()
             expected, group_count, pending = await self._forward_backward(stream, sync)
             if times is not None:
                 times.backward_done()
@@ -197,7 +198,7 @@ class TrainingPass:
                 if times is not None:
                     times.not_a_step()
                 break
-            if self.exact_units:  # also on a rank without a batch: every rank's scale is 1.0
+            if self.exact_units or exact_step:  # also on a rank without a batch: every rank's scale is 1.0
                 expected = global_count
             self.previous_global_count = global_count
             if told_examples is not None:
@@ -311,6 +312,17 @@ class TrainingPass:
         if stop:
             raise EpochStopped(progress)
 
+    def _exact_first_step(self) -> bool:
+        """Whether this step waits for its global count before its last backward although its
+        sync reduces linearly: a pass's first step under fp16's loss scale on several ranks.
+
+        The guess of a step's count is the previous step's, 1 at a pass's first step, and the
+        reduce corrects by guess / count; but fp16's gradients are seeded with scale / guess, and
+        a guess the step's count times too small overflows them, so that GradScaler's rules skip a
+        step that the same batches on one rank would take.
+        """
+        return self.loss_scale is not None and not self.single and not self.previous_global_count
+
     def _exact_divisor(self, pending: PendingSum, *, guess: int) -> int:
         """The step's global example count, waited for before its last backward.
 
@@ -343,6 +355,7 @@ class TrainingPass:
         # 1 (no pass) when the guess holds; a sync that is not linear gets the actual count
         # before the last backward instead (_exact_divisor).
         expected = self.previous_global_count or 1
+        exact_step = self._exact_first_step()
         self.step_first = len(self.losses)
         group_count = 0
         pending: PendingSum | None = None
@@ -364,13 +377,18 @@ class TrainingPass:
                 self.metrics.add(values)
             if position == 0 and self.single:
                 expected = self.k * n  # one rank knows its step's count up front
+            elif position == 0 and exact_step:
+                # This rank's estimate, for the batches before the step's count is known (they
+                # are rescaled to it then): a guess of 1 would scale fp16's gradients up by the
+                # step's count, into overflow.
+                expected = self.k * n * self.channel.nranks
             self.losses.append(loss_sum.detach())
             group_count += n
             if not self.single and (position == self.k - 1 or (self.upcoming is None and not self.pads)):
                 # Every rank starts the count (with its requests) before any gradient
                 # bucket, so the collectives pair up in the same order on all ranks.
                 pending = self._begin_step_sum(group_count)
-                if self.exact_units:
+                if self.exact_units or exact_step:
                     expected = self._exact_divisor(pending, guess=expected)
                 sync.last_backward()
             if self.loss_scale is not None:

@@ -208,15 +208,6 @@ def test_bf16_autocasts_every_forward_and_loss_and_trains_like_a_hand_autocast_l
     assert len(valid) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT: training.md:9-11 says precision='bf16'/'fp16' runs every forward pass, model and "
-        "loss, training *and validation*, under torch.autocast; fit's (and the drivers') validation "
-        "passes run in float32 with autocast off (one_epoch(forward_only=True, precision=...) called "
-        "directly does autocast): the validation loss is float32's, not the autocast one"
-    ),
-)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_validation_passes_run_under_autocast_too(precision: str) -> None:
     """training.md: `precision="bf16"` or `"fp16"` "runs every forward pass, model and loss,

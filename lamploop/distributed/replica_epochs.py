@@ -194,7 +194,13 @@ class Replica:
         if self.validation_batches is None:
             msg = f"rank {self.channel.rank}: asked to validate epoch {epoch} without validation_batches"
             raise RuntimeError(msg)
-        return await self._run(self.validation_batches, epoch, forward_only=True, boundary=self.boundary)
+        return await self._run(
+            self.validation_batches,
+            epoch,
+            forward_only=True,
+            precision=self.settings.precision,  # training.md: training and validation under autocast
+            boundary=self.boundary,
+        )
 
     async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
         stream = batches(self._context(epoch))

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lamploop.errors import ConfigurationError
+
 __all__ = ["Metric", "PassResult", "accuracy", "metrics_of"]
 
 
@@ -30,7 +32,17 @@ class Metric(Protocol):
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Top-1 accuracy: how many rows of class scores have their largest score at the target class."""
+    """Top-1 accuracy: how many rows of class scores have their largest score at the target class.
+
+    Raises:
+        ConfigurationError: the output is not ``(batch, classes, ...)`` scores for the target's batch.
+    """
+    if output.dim() < 2 or output.shape[0] != target.shape[0]:
+        msg = (
+            f"accuracy: the output of shape {tuple(output.shape)} is not (batch, classes) scores for "
+            f"the target of shape {tuple(target.shape)}"
+        )
+        raise ConfigurationError(msg)
     return (output.argmax(dim=1) == target).sum(), int(target.shape[0])
 
 

@@ -50,6 +50,9 @@ _ELEMENTWISE: frozenset[Callable[..., torch.Tensor]] = frozenset(
     }
 )
 
+_CLASS_SCORES: frozenset[Callable[..., torch.Tensor]] = frozenset({F.cross_entropy, F.nll_loss})
+"""Losses of class scores, whose output and target differ in shape but not in batch size."""
+
 
 @attrs.frozen
 class _Summed:
@@ -58,6 +61,14 @@ class _Summed:
     def __call__(self, output: Any, target: torch.Tensor, /) -> tuple[torch.Tensor, int]:
         if self.loss in _ELEMENTWISE and isinstance(output, torch.Tensor) and output.shape != target.shape:
             raise _shapes_differ(self.loss, output, target)
+        if (
+            self.loss in _CLASS_SCORES
+            and isinstance(output, torch.Tensor)
+            and output.dim() >= 1
+            and target.dim() >= 1
+            and output.shape[0] != target.shape[0]
+        ):
+            raise _shapes_differ(self.loss, output, target)  # scores and targets of other batch sizes
         return self.loss(output, target, reduction="sum"), int(target.shape[0])
 
 
@@ -70,7 +81,14 @@ def summed(loss: Callable[..., torch.Tensor]) -> LossFunction:
     >>> loss_sum, n = summed(F.l1_loss)(torch.zeros(3), torch.ones(3))
     >>> float(loss_sum), n
     (3.0, 3)
+
+    Raises:
+        ConfigurationError: ``loss`` is not callable.
     """
+    if not callable(loss):
+        what = type(loss).__name__
+        msg = f"summed(loss): loss must be a PyTorch loss function (e.g. F.l1_loss), got {what}"
+        raise ConfigurationError(msg)
     return _Summed(loss)
 
 

@@ -15,6 +15,7 @@ import attrs
 import cattrs
 import torch
 
+from lamploop.errors import ConfigurationError
 from lamploop.model import unwrapped
 
 __all__ = [
@@ -56,8 +57,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def model_spec(tensors: torch.nn.Module | Mapping[str, torch.Tensor]) -> ModelSpec:
-    """The spec of a module's ``state_dict()`` or of a name -> tensor mapping."""
+    """The spec of a module's ``state_dict()`` or of a name -> tensor mapping.
+
+    Raises:
+        ConfigurationError: ``tensors`` is neither, or a value of the mapping is no tensor.
+    """
     state = unwrapped(tensors).state_dict() if isinstance(tensors, torch.nn.Module) else tensors
+    if not isinstance(state, Mapping):
+        what = type(state).__name__
+        msg = f"model_spec: tensors must be a torch.nn.Module or a mapping of names to tensors, got {what}"
+        raise ConfigurationError(msg)
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            msg = f"model_spec: tensor {name!r} is a {type(value).__name__}, not a torch.Tensor"
+            raise ConfigurationError(msg)
     return ModelSpec(
         tuple(
             TensorSpec(name, tuple(int(d) for d in t.shape), _dtype_name(t.dtype))

@@ -40,6 +40,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from lamploop.checks import check_int
+from lamploop.errors import ConfigurationError
 from lamploop.model import unwrapped
 
 __all__ = [
@@ -183,8 +184,11 @@ def summarize(module: torch.nn.Module, depth: int = 1) -> ModelSummary:
     It reads the parameters' shapes and dtypes only (no value, no device synchronisation).
 
     Raises:
-        ConfigurationError: ``depth`` is not an int >= 0.
+        ConfigurationError: ``module`` is not a ``torch.nn.Module``, or ``depth`` not an int >= 0.
     """
+    if not isinstance(module, torch.nn.Module):
+        msg = f"summarize: module must be a torch.nn.Module, got {type(module).__name__}"
+        raise ConfigurationError(msg)
     depth = check_int("summarize: depth", depth, 0)
     root = unwrapped(module)
     total, trainable, size, lazy = _count(root.parameters())

@@ -731,26 +731,22 @@ MODEL = [
         "summed an int",
         lambda _: lamploop.summed(5),
         "loss|summed",
-        defect="summed(5) returns _Summed(loss=5) instead of a ConfigurationError naming loss",
     ),
     case(
         "summarize not a module",
         lambda _: lamploop.summarize(5),
         "module",
-        defect="raw AttributeError: 'int' object has no attribute 'parameters' (lamploop/summary.py)",
     ),
     case("summarize depth a str", lambda _: lamploop.summarize(_seq(), depth="1"), "depth"),
     case(
         "model_spec an int",
         lambda _: lamploop.model_spec(5),
         "model_spec|tensors",
-        defect="raw AttributeError: 'int' object has no attribute 'items' (lamploop/modelspec.py)",
     ),
     case(
         "model_spec a dict of non-tensors",
         lambda _: lamploop.model_spec({"w": [1.0]}),
         "w",
-        defect="raw AttributeError: 'list' object has no attribute 'shape' (lamploop/modelspec.py)",
     ),
     case("lr_find min_lr above max_lr", lambda _: _lr_find(min_lr=1.0, max_lr=0.1), "min_lr"),
     case("lr_find num_steps 1", lambda _: _lr_find(num_steps=1), "num_steps"),
@@ -882,7 +878,6 @@ SCHEDULES = [
         "plateau init state of another schedule",
         lambda _: lamploop.reduce_lr_on_plateau().learning_rate_factor(5, 0, 1.0),
         "state|PlateauState",
-        defect="raw AttributeError: 'int' object has no attribute 'factor' (lamploop/schedules/epoch.py)",
     ),
 ]
 
@@ -1056,22 +1051,16 @@ REPORTERS = [
         "LoggingReporter logger an int",
         lambda _: lamploop.LoggingReporter(logger=5),
         "logger",
-        defect=(
-            "raw AttributeError: 'int' object has no attribute 'name' "
-            "(lamploop/reporting/logging_reporter.py)"
-        ),
     ),
     case(
         "LoggingReporter level a str",
         lambda _: lamploop.LoggingReporter(level="loud"),
         "level",
-        defect="level='loud' is accepted; no ConfigurationError naming level",
     ),
     case(
         "MetricsFileReporter path an int",
         lambda _: reporting.MetricsFileReporter(5),
         "path",
-        defect="raw TypeError from pathlib",
     ),
     case(
         "MetricsFileReporter format xml",
@@ -1082,7 +1071,6 @@ REPORTERS = [
         "MetricsFileReporter a directory",
         lambda tmp: reporting.MetricsFileReporter(tmp, format="csv"),
         "director|path",
-        defect="raw IsADirectoryError from pathlib when path is an existing directory (format='csv')",
     ),
     case(
         "MetricsFileReporter unknown suffix",
@@ -1093,7 +1081,6 @@ REPORTERS = [
         "ProgressReporter file an int",
         lambda _: reporting.ProgressReporter(file=5),
         "file",
-        defect="file=5 is accepted; no ConfigurationError naming file",
     ),
     case(
         "ProgressReporter refresh 0",
@@ -1105,7 +1092,6 @@ REPORTERS = [
         "TensorBoardReporter log_dir an int",
         lambda _: reporting.TensorBoardReporter(5),
         "log_dir",
-        defect="raw TypeError from pathlib",
     ),
     case(
         "TensorBoardReporter flush_secs 0",
@@ -1131,7 +1117,6 @@ METRICS = [
         "accuracy shapes differ",
         lambda _: metrics.accuracy(torch.randn(4, 3), torch.randint(0, 3, (5,))),
         "shape|target|output",
-        defect="raw RuntimeError from torch (lamploop/metrics.py:34) naming neither output nor target",
     ),
     case(
         "accuracy in a fit with regression outputs",
@@ -1157,7 +1142,6 @@ METRICS = [
         "cross_entropy_loss shapes differ",
         lambda _: lamploop.cross_entropy_loss(torch.randn(4, 3), Y[:5]),
         "shape|target",
-        defect="raw ValueError from torch.nn.functional; mse_loss checks shapes, cross_entropy_loss does not",
     ),
     case(
         "mse_loss shapes differ",
@@ -1470,7 +1454,6 @@ FEDERATED = [
         "describe_model module an int",
         lambda _: federated.describe_model("mlp", {}, 5),
         "module",
-        defect="raw AttributeError: 'int' object has no attribute 'items' (lamploop/modelspec.py)",
     ),
     case("federated_average no updates", lambda _: _average([]), "update", FederatedError),
     case(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     CheckpointWritten,
     EpochFinished,
@@ -114,6 +115,14 @@ class LoggingReporter:
     """
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
+        if logger is not None and not isinstance(logger, logging.Logger | logging.LoggerAdapter):
+            msg = f"LoggingReporter: logger must be a logging.Logger, got {type(logger).__name__}"
+            raise ConfigurationError(msg)
+        if isinstance(level, bool) or not isinstance(level, int):
+            msg = (
+                f"LoggingReporter: level must be a logging level (an int: logging.INFO...), got {level!r:.40}"
+            )
+            raise ConfigurationError(msg)
         self.logger = logger if logger is not None else logging.getLogger("lamploop")
         self.level = level
         self._fallback = logging.StreamHandler(sys.stderr)

@@ -141,6 +141,10 @@ class ProgressReporter:
         require_extra("ProgressReporter", "rich", "progress", "rich.console")
         from rich.console import Console
 
+        if file is not None and not callable(getattr(file, "write", None)):
+            what = type(file).__name__
+            msg = f"ProgressReporter: file must be a text stream with write() (e.g. sys.stderr), got {what}"
+            raise ConfigurationError(msg)
         if refresh_per_second is not None and not refresh_per_second > 0:
             msg = f"ProgressReporter: refresh_per_second must be > 0, got {refresh_per_second!r}"
             raise ConfigurationError(msg)

@@ -84,6 +84,10 @@ class TensorBoardReporter:
         if not flush_secs > 0:
             msg = f"TensorBoardReporter: flush_secs must be > 0, got {flush_secs!r}"
             raise ConfigurationError(msg)
+        if not isinstance(log_dir, str | Path):
+            what = type(log_dir).__name__
+            msg = f"TensorBoardReporter: log_dir must be a str or a pathlib.Path, got {what}"
+            raise ConfigurationError(msg)
         self.log_dir = Path(log_dir)
         self.flush_secs = float(flush_secs)
         self._writer: SummaryWriter | None = None

@@ -280,6 +280,12 @@ class ReduceLrOnPlateau:
     def learning_rate_factor(
         self, state: PlateauState, epoch: int, last_validation_loss: float | None
     ) -> tuple[PlateauState, float]:
+        if not isinstance(state, PlateauState):
+            msg = (
+                f"reduce_lr_on_plateau: the state must be a PlateauState (from init() or the "
+                f"previous call), got {type(state).__name__}"
+            )
+            raise ConfigurationError(msg)
         # A loss carried over an epoch without validation is no new observation;
         # validation ran in epoch e - 1 exactly when (e - 1) % frequency == 0.
         loss = last_validation_loss

@@ -934,7 +934,6 @@ CHECKPOINTS = [
         "verify_checkpoint an int",
         lambda _: checkpoint.verify_checkpoint(5),
         "path",
-        defect="raw TypeError from pathlib instead of the ConfigurationError load_checkpoint gives",
     ),
     case(
         "verify_checkpoint a truncated model file",
@@ -1346,7 +1345,6 @@ FEDERATED = [
         "OptimizerConfig betas a float",
         lambda _: _optimizer_config(name="adam", betas=0.9),
         "betas",
-        defect="raw TypeError: object of type 'float' has no len() (lamploop/federated/plan.py)",
     ),
     case("OptimizerConfig weight_decay -1", lambda _: _optimizer_config(weight_decay=-1.0), "weight_decay"),
     case("TrainingPlan local_epochs 0", lambda _: _plan(local_epochs=0), "local_epochs"),
@@ -1368,13 +1366,11 @@ FEDERATED = [
         "TrainingPlan model an int",
         lambda _: _plan(model=5),
         "model",
-        defect="TrainingPlan(model=5) is accepted",
     ),
     case(
         "TrainingPlan optimizer a dict",
         lambda _: _plan(optimizer={"name": "sgd"}),
         "optimizer",
-        defect="TrainingPlan(optimizer={...}) is accepted",
     ),
     case("TrainingPlan seed -1", lambda _: _plan(seed=-1), "seed"),
     case("plan_from_json an int", lambda _: federated.plan_from_json(5), "plan"),
@@ -1565,14 +1561,12 @@ PIPELINE = [
         "split_sequential boundaries an int",
         lambda _: pipeline.split_sequential(_seq(), 1),
         "boundar",
-        defect="raw TypeError: 'int' object is not iterable (lamploop/pipeline/split.py)",
     ),
     case("stage_checkpoint_dir stage -1", lambda tmp: pipeline.stage_checkpoint_dir(tmp, -1), "stage_index"),
     case(
         "stage_checkpoint_dir directory an int",
         lambda _: pipeline.stage_checkpoint_dir(5, 0),
         "directory",
-        defect="raw TypeError from pathlib",
     ),
     case(
         "stage_checkpointer keep_last 0",
@@ -1583,9 +1577,6 @@ PIPELINE = [
         "stage_checkpointer directory a file",
         lambda tmp: pipeline.stage_checkpointer(_a_file(tmp), 0),
         "a-file",
-        defect=(
-            "accepted; fails only when the first checkpoint is written (Checkpointer refuses a file at once)"
-        ),
     ),
     case("saved_epochs stage a str", lambda tmp: pipeline.saved_epochs(tmp, "0"), "stage_index"),
     case(
@@ -1676,7 +1667,6 @@ SYNC = [
         "FullyShard units an int",
         lambda _: sync.FullyShard(units=5),
         "units",
-        defect="FullyShard(units=5) is accepted",
     ),
     case("strategy_named unknown", lambda _: sync.strategy_named("telepathy"), "telepathy"),
     case("strategy_named an int", lambda _: sync.strategy_named(5), "name|5"),

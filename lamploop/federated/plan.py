@@ -86,6 +86,15 @@ def _one_of(choices: tuple[str, ...]) -> Any:
     return check
 
 
+def _instance_of(kind: type) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, kind):
+            msg = f"{attribute.name} must be a {kind.__name__}, got {type(value).__name__}"
+            raise ConfigurationError(msg)
+
+    return check
+
+
 def _finite_at_least(low: float) -> Any:
     def check(_: object, attribute: attrs.Attribute[float], value: float) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
@@ -164,7 +173,11 @@ class OptimizerConfig:
         if self.learning_rate <= 0:
             msg = f"learning_rate must be > 0, got {self.learning_rate!r}"
             raise ConfigurationError(msg)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        if (
+            not isinstance(self.betas, tuple | list)
+            or len(self.betas) != 2
+            or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in self.betas)
+        ):
             msg = f"betas must be two numbers in [0, 1), got {self.betas!r}"
             raise ConfigurationError(msg)
 
@@ -226,8 +239,8 @@ class TrainingPlan:
     """
 
     name: str
-    model: ModelDescription
-    optimizer: OptimizerConfig
+    model: ModelDescription = attrs.field(validator=_instance_of(ModelDescription))
+    optimizer: OptimizerConfig = attrs.field(validator=_instance_of(OptimizerConfig))
     loss: str = attrs.field(default="cross_entropy", validator=_one_of(LOSSES))
     metrics: tuple[str, ...] = attrs.field(default=("accuracy",), converter=tuple)
     local_epochs: int | None = attrs.field(default=1, validator=_positive_or_none)

@@ -25,7 +25,7 @@ import torch
 
 from lamploop.checkpoint import Checkpoint, checkpoint_name, load_checkpoint, save_checkpoint
 from lamploop.checkpoint.format import DESCRIPTOR_NAME
-from lamploop.checks import check_int
+from lamploop.checks import check_directory, check_int
 from lamploop.errors import ConfigurationError
 from lamploop.schedules import LearningRateSchedule
 from lamploop.state import LoopStateWithModelAndOptimizerData
@@ -36,7 +36,7 @@ __all__ = ["load_stage_checkpoint", "saved_epochs", "stage_checkpoint_dir", "sta
 def stage_checkpoint_dir(directory: str | os.PathLike[str], stage_index: int) -> pathlib.Path:
     """Where stage ``stage_index`` keeps its checkpoints: ``<directory>/stage-NNN``."""
     check_int("stage_checkpoint_dir: stage_index", stage_index, 0)
-    return pathlib.Path(directory) / f"stage-{stage_index:03d}"
+    return check_directory("stage_checkpoint_dir: directory", directory) / f"stage-{stage_index:03d}"
 
 
 def stage_checkpointer(
@@ -61,7 +61,9 @@ def stage_checkpointer(
             f"one may be an epoch ahead), got {keep_last!r}"
         )
         raise ConfigurationError(msg)
-    target = stage_checkpoint_dir(directory, stage_index)
+    target = check_directory(
+        "stage_checkpointer: the stage's directory", stage_checkpoint_dir(directory, stage_index)
+    )
 
     async def save(state: LoopStateWithModelAndOptimizerData, schedule_state: Any) -> None:
         write = functools.partial(

@@ -44,6 +44,10 @@ def split_sequential(model: torch.nn.Module, boundaries: Sequence[int]) -> tuple
     >>> [list(s.state_dict()) for s in stages]
     [['0.weight', '0.bias'], ['2.weight', '2.bias']]
     """
+    if isinstance(boundaries, str | bytes) or not isinstance(boundaries, Sequence):
+        what = type(boundaries).__name__
+        msg = f"split_sequential: boundaries must be a sequence of layer indices, got {what}"
+        raise ConfigurationError(msg)
     ranges = PipelineSpec(tuple(boundaries)).layer_ranges(model)
     assert isinstance(model, torch.nn.Sequential)
     return tuple(model[r.start : r.stop] for r in ranges)  # type: ignore[misc]

@@ -308,6 +308,12 @@ class FullyShard:
     reduce_dtype: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.units is not None and not callable(self.units):
+            msg = (
+                "FullyShard: units must be None or a function module -> the submodules to shard, "
+                f"got {type(self.units).__name__}"
+            )
+            raise ConfigurationError(msg)
         for field, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype)):
             if value is not None and value not in _DTYPES:
                 msg = f"FullyShard: {field} must be None or one of {sorted(_DTYPES)}, got {value!r}"

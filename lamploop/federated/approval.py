@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 import cattrs
@@ -51,7 +52,13 @@ class Approval:
 class AllowList:
     """The plans a node may train."""
 
-    approved: tuple[Approval, ...] = ()
+    approved: tuple[Approval, ...] = attrs.field(default=())
+
+    @approved.validator
+    def _check_approved(self, _: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(a, Approval) for a in value):
+            msg = f"AllowList: approved must be a tuple of Approval, got {type(value).__name__}"
+            raise ConfigurationError(msg)
 
     def allows(self, digest: str) -> bool:
         """Whether the plan hash ``digest`` is approved."""
@@ -88,6 +95,9 @@ def load_allow_list(path: str | os.PathLike[str], *, missing_ok: bool = False) -
 
 def save_allow_list(allow_list: AllowList, path: str | os.PathLike[str]) -> Path:
     """Write ``allow_list`` to ``path`` atomically (creating its directory); returns the path."""
+    if not isinstance(allow_list, AllowList):
+        msg = f"save_allow_list: allow_list must be an AllowList, got {type(allow_list).__name__}"
+        raise ConfigurationError(msg)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_CONVERTER.unstructure(allow_list), indent=2) + "\n"
@@ -104,6 +114,9 @@ def approve_plan(plan: TrainingPlan, path: str | os.PathLike[str]) -> tuple[str,
     Raises:
         ConfigurationError: the existing file is not an allow-list.
     """
+    if not isinstance(plan, TrainingPlan):
+        msg = f"approve_plan: plan must be a TrainingPlan, got {type(plan).__name__}"
+        raise ConfigurationError(msg)
     digest = plan_hash(plan)
     current = load_allow_list(path, missing_ok=True)
     if current.allows(digest):

@@ -50,6 +50,9 @@ def mlp(options: Mapping[str, Any]) -> torch.nn.Module:
     Raises:
         ConfigurationError: sizes are not at least two positive ints, or the dtype is unknown.
     """
+    if not isinstance(options, Mapping):
+        msg = f"mlp: options must be a mapping (sizes, dtype, seed), got {type(options).__name__}"
+        raise ConfigurationError(msg)
     sizes = options.get("sizes")
     if (
         not isinstance(sizes, list)
@@ -91,6 +94,9 @@ def build_model(description: ModelDescription, builders: ModelBuilders | None = 
         ConfigurationError: the architecture is unknown here, its builder refused the options,
             or the model built differs from the plan's tensors (named).
     """
+    if not isinstance(description, ModelDescription):
+        msg = f"build_model: description must be a plan's ModelDescription, got {type(description).__name__}"
+        raise ConfigurationError(msg)
     registry = BUILT_IN_BUILDERS if builders is None else builders
     builder = registry.get(description.architecture)
     if builder is None:

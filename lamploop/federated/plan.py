@@ -321,6 +321,9 @@ def plan_hash(plan: TrainingPlan) -> str:
 
 def save_plan(plan: TrainingPlan, path: str | os.PathLike[str]) -> Path:
     """Write the plan as JSON to ``path`` (atomically); returns the path."""
+    if not isinstance(plan, TrainingPlan):
+        msg = f"save_plan: plan must be a TrainingPlan, got {type(plan).__name__}"
+        raise ConfigurationError(msg)
     target = Path(path)
     text = json.dumps(plan_to_json(plan), sort_keys=True, indent=2) + "\n"
     write_atomically(target, text.encode())

@@ -10,12 +10,25 @@ it waits.  Both are frozen; every check names the field and the bad value and ra
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import attrs
 
 from lamploop.checks import check_int, int_at_least, seconds
+from lamploop.errors import ConfigurationError
 from lamploop.federated.wire import DEFAULT_MAX_FRAME_BYTES
+
+
+def _optional_path(value: object) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike):
+        what = type(value).__name__
+        msg = f"AggregatorSettings: checkpoint_dir must be None, a str or a pathlib.Path, got {what}"
+        raise ConfigurationError(msg)
+    return Path(value)
+
 
 __all__ = ["AggregatorSettings", "NodeSettings"]
 
@@ -47,7 +60,7 @@ class AggregatorSettings:
     handshake_timeout: float = attrs.field(default=10.0, validator=seconds)
     max_pending_handshakes: int = attrs.field(default=64, validator=int_at_least(None, 1))
     max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=int_at_least(None, 1))
-    checkpoint_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    checkpoint_dir: Path | None = attrs.field(default=None, converter=_optional_path)
     keep_last: int = attrs.field(default=3, validator=int_at_least(None, 1))
 
     def __attrs_post_init__(self) -> None:

@@ -81,6 +81,10 @@ class StreamState:
     """
 
     def __init__(self, buffer: StreamBuffer, *, name: str = STREAM_EXTRA) -> None:
+        if not isinstance(buffer, StreamBuffer):
+            what = type(buffer).__name__
+            msg = f"StreamState: buffer must be a lamploop.streaming buffer (FifoBuffer...), got {what}"
+            raise ConfigurationError(msg)
         self.buffer = buffer
         self.name = name
         self.receiver: SampleReceiver | None = None

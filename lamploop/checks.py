@@ -78,12 +78,17 @@ def check_device(where: str, device: torch.device | str | int) -> torch.device:
         raise ConfigurationError(msg) from None
 
 
-def check_directory(name: str, value: object) -> pathlib.Path:
-    """``value`` as a path (a str or an ``os.PathLike``) that is not an existing file."""
+def check_path(name: str, value: object) -> pathlib.Path:
+    """``value`` as a path, if it is a str or an ``os.PathLike``; else ConfigurationError naming ``name``."""
     if not isinstance(value, str | os.PathLike):
         msg = f"{name} must be a str or a pathlib.Path, got {type(value).__name__}"
         raise ConfigurationError(msg)
-    path = pathlib.Path(value)
+    return pathlib.Path(value)
+
+
+def check_directory(name: str, value: object) -> pathlib.Path:
+    """``value`` as a path (a str or an ``os.PathLike``) that is not an existing file."""
+    path = check_path(name, value)
     if path.exists() and not path.is_dir():
         msg = f"{name} {str(path)!r} is a file, not a directory"
         raise ConfigurationError(msg)

@@ -48,7 +48,7 @@ from lamploop.checkpoint.sharded import (
     sharded_model_spec,
     verify_sharded,
 )
-from lamploop.checks import check_bool, check_schedule
+from lamploop.checks import check_bool, check_path, check_schedule
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import ModelSpec, model_spec
@@ -153,9 +153,7 @@ def load_checkpoint_leaving_shards(
 
 def _check_load_arguments(path: object, schedule: object, model: object, restore_rng: object) -> None:
     """Arguments of the wrong kind, named before any file is read."""
-    if not isinstance(path, str | os.PathLike):
-        msg = f"load_checkpoint: path must be a str or a pathlib.Path, got {type(path).__name__}"
-        raise ConfigurationError(msg)
+    check_path("load_checkpoint: path", path)
     check_schedule("load_checkpoint: schedule", schedule, optional=True)
     if model is not None and not isinstance(model, torch.nn.Module | Mapping):
         kind = type(model).__name__

@@ -47,7 +47,8 @@ from lamploop.checkpoint.format import (
 from lamploop.checkpoint.integrity import FileCheck, check_file, file_size
 from lamploop.checkpoint.load import load_checkpoint, read_descriptor, resolve_checkpoint
 from lamploop.checkpoint.sharded import is_sharded_checkpoint, sharded_file_checks
-from lamploop.errors import CheckpointError, ConfigurationError
+from lamploop.checks import check_path
+from lamploop.errors import CheckpointError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.state import LearningCurveEntry, LoopState
 
@@ -267,10 +268,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
         CheckpointError: ``path`` does not exist, is not a directory, or holds no checkpoint.
         ConfigurationError: ``path`` is not a str or an ``os.PathLike``.
     """
-    if not isinstance(path, str | os.PathLike):
-        msg = f"verify_checkpoint: path must be a str or a pathlib.Path, got {type(path).__name__}"
-        raise ConfigurationError(msg)
-    p = Path(path)
+    p = check_path("verify_checkpoint: path", path)
     if is_one_checkpoint(p):
         checked = _check_directory(p, is_latest=False)
         return _report(checked, None, (checked,), [], [])

@@ -10,24 +10,16 @@ it waits.  Both are frozen; every check names the field and the bad value and ra
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import attrs
 
-from lamploop.checks import check_int, int_at_least, seconds
-from lamploop.errors import ConfigurationError
+from lamploop.checks import check_int, check_path, int_at_least, seconds
 from lamploop.federated.wire import DEFAULT_MAX_FRAME_BYTES
 
 
 def _optional_path(value: object) -> Path | None:
-    if value is None:
-        return None
-    if not isinstance(value, str | os.PathLike):
-        what = type(value).__name__
-        msg = f"AggregatorSettings: checkpoint_dir must be None, a str or a pathlib.Path, got {what}"
-        raise ConfigurationError(msg)
-    return Path(value)
+    return None if value is None else check_path("AggregatorSettings: checkpoint_dir", value)
 
 
 __all__ = ["AggregatorSettings", "NodeSettings"]

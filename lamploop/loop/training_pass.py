@@ -161,7 +161,7 @@ class TrainingPass:
             self.any_more = self._every_rank_starts()
         while True:
             exact_step = self._exact_first_step()
-            expected, group_count, pending = await self._forward_backward(stream, sync)
+            expected, group_count, pending = await self._forward_backward(stream, sync, exact_step)
             if times is not None:
                 times.backward_done()
             if self.single:
@@ -346,16 +346,16 @@ class TrainingPass:
             self.times.waited_for_data(began)
 
     async def _forward_backward(
-        self, stream: AsyncIterator[Any], sync: GradientSync
+        self, stream: AsyncIterator[Any], sync: GradientSync, exact_step: bool
     ) -> tuple[int, int, PendingSum | None]:
-        """Up to k batches: the step's guess of its global count, its local count, the sum in flight."""
+        """Up to k batches: the step's guess of its global count, its local count, the sum in flight
+        (``exact_step``: the count waited for before the last backward, :meth:`_exact_first_step`)."""
         # Backprop loss / expected, expected being a guess of the step's global example
         # count that every rank makes alike (also a rank with no batch left): the previous
         # step's, 1 at a pass's first step.  reduce() corrects by expected / actual, exactly
         # 1 (no pass) when the guess holds; a sync that is not linear gets the actual count
         # before the last backward instead (_exact_divisor).
         expected = self.previous_global_count or 1
-        exact_step = self._exact_first_step()
         self.step_first = len(self.losses)
         group_count = 0
         pending: PendingSum | None = None

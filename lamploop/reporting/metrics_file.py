@@ -30,6 +30,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from lamploop.checks import check_path
 from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import EpochFinished, Event
 
@@ -119,13 +120,10 @@ class MetricsFileReporter:
     """
 
     def __init__(self, path: str | Path, *, format: Literal["csv", "jsonl"] | None = None) -> None:
-        if not isinstance(path, str | Path):
-            msg = f"MetricsFileReporter: path must be a str or a pathlib.Path, got {type(path).__name__}"
-            raise ConfigurationError(msg)
-        if Path(path).is_dir():
+        self.path = check_path("MetricsFileReporter: path", path)
+        if self.path.is_dir():
             msg = f"MetricsFileReporter: path {str(path)!r} is a directory; give a file in it (metrics.csv)"
             raise ConfigurationError(msg)
-        self.path = Path(path)
         if format is None:
             found = _SUFFIXES.get(self.path.suffix.lower())
             if found is None:

@@ -208,14 +208,13 @@ def buffer_batches(
         msg = f"buffer_batches: batch_size={batch_size} exceeds the buffer's capacity {buffer.capacity}"
         raise ConfigurationError(msg)
     try:
-        anyio.lowlevel.current_token()
+        reader = _BufferReader(buffer)  # takes the running event loop's token
     except RuntimeError:  # anyio's NoEventLoopError
         msg = (
             "buffer_batches: make it on the event loop where the receiver was opened (inside "
             "anyio.run / fit_async), not outside any event loop: its streams wait on that loop"
         )
         raise ConfigurationError(msg) from None
-    reader = _BufferReader(buffer)
     make_batch = collate if collate is not None else stack_samples()
 
     def factory(context: BatchContext) -> BufferStream:

@@ -16,7 +16,8 @@ others on ``TcpControlFollower`` (this script again, as ``child``).  Scenarios:
   within 5 s.  Measured per survivor: from the SIGSTOP to its error (the run ended, its
   control channel closed), and to its process's exit (each rank freezes its heap with
   ``gc.freeze()`` before it exits, as a script that exits after a failed run can: Python's final
-  garbage collection of torch's heap otherwise adds 4-6 s at load 15-24);
+  garbage collection of torch's heap otherwise adds 4-6 s at load 15-24), with the threads
+  other than the main one that were not daemons when its run returned (there must be none);
 - ``link``: the same with a frozen link: ranks in two network namespaces (``tests/netns.py``;
   needs root), the link taken down (every packet lost, no reset): 2 ranks (one per host) and
   3 ranks (0 and 1 on host a, 2 on host b): each side names the other;
@@ -413,6 +414,9 @@ def freeze(
             blamed = (0 if rank == nranks - 1 else nranks - 1) if link else target
             took = outcome["failed_at"] - faulted if "failed_at" in outcome else None
             exited = run.exited[rank] - faulted if rank in run.exited else None
+            returned_path = run.workdir / f"returned-{rank}.json"
+            returned = json.loads(returned_path.read_text()) if returned_path.exists() else {}
+            shutdown = run.exited[rank] - returned["returned_at"] if returned and rank in run.exited else None
             result["survivors"][rank] = {
                 "status": codes[rank],
                 "error": error.get("type"),
@@ -420,6 +424,8 @@ def freeze(
                 "how": error.get("how"),
                 "failed_after_s": took,
                 "exited_after_s": exited,
+                "shutdown_s": shutdown,
+                "non_daemon_threads": returned.get("non_daemon_threads"),
                 "expected": codes[rank] == 1
                 and error.get("type") == "PeerLostError"
                 and error.get("rank") == blamed
@@ -490,7 +496,21 @@ def main(argv: list[str]) -> int:
         # Every thread's stack into the log on SIGUSR1: what a survivor that does not exit is blocked in.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-        code = anyio.run(_child, json.loads(Path(argv[1]).read_text()), int(argv[2]))
+        config, rank = json.loads(Path(argv[1]).read_text()), int(argv[2])
+        code = anyio.run(_child, config, rank)
+        import threading
+
+        # What could keep this process from exiting once its run returned: a thread the library
+        # left running that Python's exit would join.  Checked here, not inferred from timing.
+        _write(
+            Path(config["workdir"]) / f"returned-{rank}.json",
+            {
+                "returned_at": time.time(),
+                "non_daemon_threads": [
+                    t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+                ],
+            },
+        )
         if not os.environ.get("STRESS_PLAIN_EXIT"):
             # Python's final garbage collection walks torch's whole heap (about 0.9 s of CPU,
             # 4-6 s at load 15-24, up to 10 s at load 28): frozen, the process exits in under a

@@ -9,7 +9,8 @@ while two busy processes per core load the machine:
   and both followers' runs end within 5 s naming it;
 - 2 ranks: the follower is frozen: the root's run ends within 5 s naming it.
 
-Every survivor's process then exits (within :data:`EXITED_WITHIN_S` of the fault).
+Every survivor's process then exits: its run returns leaving no thread that Python's exit would
+join, and the process is gone within :data:`EXITED_WITHIN_S` of the fault.
 
 And checkpoint files are written without holding the GIL for their bytes (a 2 GiB checkpoint
 serialized by ``safetensors.torch.save`` starved the root's event loop for 8.6 s under that
@@ -45,9 +46,14 @@ for a failed one, fixed in ``lamploop.sync.collectives``) and a survivor exit te
 after its error (Python's final garbage collection of torch's heap, about 0.9 s of CPU, starved
 by the load: the stress script's ranks freeze that heap before they exit)."""
 SLOW_STEP_S = 3 * DEFAULT_HEARTBEAT_TIMEOUT_S  # 12 s
-EXITED_WITHIN_S = 10.0
-"""From the fault to a survivor's exit: its error within 5 s, then its shutdown (0.5-1 s measured
-at load 15-24 with the heap frozen; 4-6 s more without)."""
+EXITED_WITHIN_S = 30.0
+"""From the fault to a survivor's exit: its error within 5 s, then torch's finalization at exit
+(deregistering its operator libraries, the final garbage collection): CPU work that the load
+stretches.  Measured on this machine for a process that ran one optimizer step: 0.5-1.0 s unloaded
+with ``gc.freeze()``, 2.7-3.6 s without; a CI run's serial phase (load 5.6) once took 6.8 s after
+the error, past the 10 s this bound was.  So the exit is bounded loosely here, a hang and not a
+speed check, and what could really keep the process alive, a thread left running, is checked
+exactly."""
 
 
 def test_the_defaults_leave_room_for_a_survivor_to_end_within_5_s() -> None:
@@ -77,6 +83,8 @@ def test_under_load_a_slow_rank_is_not_lost_and_a_frozen_one_is_named_within_5_s
         assert (survivor["named"], survivor["how"]) == (target, "silent"), context
         assert survivor["failed_after_s"] < stress.END_WITHIN_S, context
         assert survivor["status"] == 1, context
+        assert survivor["non_daemon_threads"] == [], context  # the run left no thread to join
+        assert survivor["exited_after_s"] is not None, context
         assert survivor["exited_after_s"] < EXITED_WITHIN_S, context
 
 

@@ -8,7 +8,7 @@ resumed run sees exactly the data an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import attrs
@@ -18,7 +18,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lamploop.checks import check_bool, check_int
 from lamploop.errors import ConfigurationError
-from lamploop.forked_children import worker_init_leaving_signals
+from lamploop.forked_children import (
+    shut_down_at_exit,
+    worker_init_leaving_signals,
+    workers_forked_here_wait_for_their_init,
+)
 from lamploop.interruptible import holding_the_loop
 
 __all__ = [
@@ -245,9 +249,44 @@ def dataloader_batches(
                 f"{context}, not a DataLoader"
             )
             raise ConfigurationError(msg)
-        return _rank_loader(epoch_loader, context, seed, made_per_rank=made_per_rank)
+        rank_loader = _rank_loader(epoch_loader, context, seed, made_per_rank=made_per_rank)
+        return _WorkersEndWithTheEpoch(rank_loader) if rank_loader.num_workers > 0 else rank_loader
 
     return iterable_batches(make)
+
+
+@attrs.frozen
+class _WorkersEndWithTheEpoch:
+    """A ``DataLoader`` with worker processes, iterated so that its workers end with the epoch.
+
+    Its workers leave SIGINT and SIGTERM to the run (:func:`_rank_loader`); so they also ignore
+    the SIGTERM of Python's exit, which joins them.  A run that failed (a worker killed: "DataLoader
+    worker ... exited unexpectedly") and left its iterator to the exit hung there forever,
+    joining a worker that waited for work; so did every process whose loader had persistent
+    workers.  The iterator's workers are shut down as the iteration ends, however it ends
+    (persistent ones only when it fails or is abandoned), and at the process's exit
+    (:func:`~lamploop.forked_children.shut_down_at_exit`); they are forked with the stop signals
+    held until they ignore them
+    (:func:`~lamploop.forked_children.workers_forked_here_wait_for_their_init`).
+    """
+
+    loader: DataLoader[Any]
+
+    def __iter__(self) -> Iterator[Any]:
+        with workers_forked_here_wait_for_their_init():
+            batches = iter(self.loader)
+        shut_down_at_exit(batches)  # persistent workers outlive the epoch: not the process
+        finished = False
+        try:
+            yield from batches
+            finished = True
+        finally:
+            # Persistent workers serve the next epoch's iteration, unless this one failed or was
+            # abandoned.  torch's own shutdown (the iterator's __del__ calls it) asks each worker
+            # to end, joins it with a bound, then terminates what is left.
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if callable(shutdown) and not (finished and self.loader.persistent_workers):
+                shutdown()
 
 
 def _rank_loader(

@@ -20,18 +20,31 @@ checkpoint after.
   ``DataLoader worker ... is killed by signal: Terminated`` instead of stopping it at the step
   boundary; the run shuts its workers down itself when it stops.  A worker stuck in native
   code then ignores the SIGTERM of its DataLoader's shutdown too: it ends when it sees its
-  parent gone (torch's watchdog).
+  parent gone (torch's watchdog);
+- :func:`workers_forked_here_wait_for_their_init`: workers forked in its block hold the stop
+  signals until that init ignores them (a SIGTERM in between killed one);
+- :func:`shut_down_at_exit`: such workers also ignore the SIGTERM of Python's exit, which then
+  joins them without a bound; a DataLoader iterator given to it has its workers shut down first.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 
-__all__ = ["leave_stop_signals_to_the_run", "signals_stay_with_this_process", "worker_init_leaving_signals"]
+__all__ = [
+    "leave_stop_signals_to_the_run",
+    "shut_down_at_exit",
+    "signals_stay_with_this_process",
+    "workers_forked_here_wait_for_their_init",
+    "worker_init_leaving_signals",
+]
 
 _lock = threading.Lock()
 _watching = 0
@@ -45,13 +58,9 @@ def signals_stay_with_this_process() -> Iterator[None]:
 
     Re-entrant and thread-safe; costs nothing per fork outside such a block.
     """
-    global _watching, _registered
+    global _watching
     with _lock:
-        if not _registered:
-            os.register_at_fork(
-                before=_before_fork, after_in_parent=_restore_mask, after_in_child=_after_fork_in_child
-            )
-            _registered = True
+        _register()
         _watching += 1
     try:
         yield
@@ -59,6 +68,42 @@ def signals_stay_with_this_process() -> Iterator[None]:
         with _lock:
             _watching -= 1
 
+
+def _register() -> None:
+    global _registered
+    if not _registered:  # (under _lock)
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_restore_mask, after_in_child=_after_fork_in_child
+        )
+        _registered = True
+
+
+@contextmanager
+def workers_forked_here_wait_for_their_init() -> Iterator[None]:
+    """Processes forked from this thread in the block start with SIGINT and SIGTERM blocked
+    until :func:`leave_stop_signals_to_the_run` (their ``worker_init_fn``) ignores them.
+
+    A ``DataLoader`` forks its workers when an epoch's iteration begins; torch's worker code
+    installs a SIGTERM handler that kills the worker on anyone's SIGTERM but its parent's
+    before it calls ``worker_init_fn``.  A SIGTERM to the whole job in that window killed a
+    worker and failed the run ("DataLoader worker ... exited unexpectedly") instead of stopping
+    it at the step boundary (a CI run saw it).  Blocked, the signal waits in the worker until
+    its init ignores it.  Only for forks whose workers do run that init.
+    """
+    with _lock:
+        _register()
+    _forks_wait_for_init.on = True
+    try:
+        yield
+    finally:
+        _forks_wait_for_init.on = False
+
+
+_forks_wait_for_init = threading.local()
+"""Whether forks from this thread keep the stop signals blocked in the child until its init."""
+
+_blocked_until_init = False
+"""In a worker forked under :func:`workers_forked_here_wait_for_their_init`: still blocked."""
 
 _STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 _mask_before_fork = threading.local()
@@ -71,7 +116,7 @@ def _before_fork() -> None:
     # machine the child may wait milliseconds to run): the forking thread blocks the stop
     # signals across the fork, so such a signal waits in the child until its hook dropped the
     # socket.  The parent's other threads (its main thread) still take them meanwhile.
-    if _watching:
+    if _watching or getattr(_forks_wait_for_init, "on", False):
         _mask_before_fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
 
@@ -83,14 +128,51 @@ def _restore_mask() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _watching
-    if _watching:
+    global _watching, _blocked_until_init
+    waits_for_init = getattr(_forks_wait_for_init, "on", False)
+    if _watching or waits_for_init:
         _watching = 0  # this child watches nothing of its own yet
         # The parent's event loop's socket: its signals are not ours.  (Forked from a thread
         # other than the main one: no wake-up fd to drop.)
         with suppress(ValueError):
             signal.set_wakeup_fd(-1)
+    if waits_for_init:
+        _forks_wait_for_init.on = False
+        _blocked_until_init = True  # leave_stop_signals_to_the_run unblocks them, ignored
+        _mask_before_fork.mask = None
+        return
     _restore_mask()  # a stop signal that came meanwhile is delivered now, to this child alone
+
+
+_to_shut_down: weakref.WeakSet[Any] = weakref.WeakSet()
+"""DataLoader iterators whose workers this process's exit ends (see :func:`shut_down_at_exit`)."""
+
+_at_exit_registered = False
+
+
+def shut_down_at_exit(iterator: Any) -> None:
+    """Shut down ``iterator``'s workers (a DataLoader's) when this process exits, if still alive.
+
+    Workers that leave the stop signals to the run also ignore the SIGTERM of Python's exit
+    (``multiprocessing`` terminates its daemonic children, then joins them without a bound):
+    a process whose persistent workers were alive at its exit waited forever.  This runs
+    before that join (``atexit`` runs the last registered first, and ``multiprocessing``
+    registered at import), through torch's own shutdown of the iterator.
+    """
+    global _at_exit_registered
+    with _lock:
+        if not _at_exit_registered:
+            atexit.register(_shut_down_what_is_left)
+            _at_exit_registered = True
+        _to_shut_down.add(iterator)
+
+
+def _shut_down_what_is_left() -> None:
+    for iterator in list(_to_shut_down):
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            with suppress(Exception):  # exiting: a worker that cannot be asked is left to the OS
+                shutdown()
 
 
 def leave_stop_signals_to_the_run(worker_id: int = 0) -> None:
@@ -99,11 +181,15 @@ def leave_stop_signals_to_the_run(worker_id: int = 0) -> None:
     The run (the worker's parent) stops on them at its next step boundary and shuts the
     workers down then; the worker's own signal would otherwise kill it or be counted twice.
     """
+    global _blocked_until_init
     del worker_id  # every worker alike
     with suppress(ValueError):  # not the main thread: no wake-up fd to drop
         signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _blocked_until_init:  # a stop signal that came since the fork is discarded now, ignored
+        _blocked_until_init = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def worker_init_leaving_signals(

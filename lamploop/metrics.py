@@ -15,6 +15,7 @@ costs no extra synchronisation.  The pass's result is still its mean loss, a ``f
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -53,6 +54,13 @@ class PassResult(float):
     metrics: Mapping[str, float]
 
     def __new__(cls, loss: float, metrics: Mapping[str, float]) -> PassResult:
+        if isinstance(loss, bool) or not isinstance(loss, (numbers.Real, torch.Tensor)):
+            msg = f"PassResult: loss must be a float, got {type(loss).__name__} {loss!r}"
+            raise ConfigurationError(msg)
+        if not isinstance(metrics, Mapping):
+            kind = type(metrics).__name__
+            msg = f"PassResult: metrics must be a mapping of metric names to floats, got {kind}"
+            raise ConfigurationError(msg)
         result = super().__new__(cls, loss)
         result.metrics = dict(metrics)
         return result

@@ -16,6 +16,8 @@ import cattrs
 import cattrs.gen
 import torch
 
+from lamploop.errors import ConfigurationError
+
 __all__ = [
     "LearningCurveEntry",
     "LoopState",
@@ -116,6 +118,38 @@ class LoopStateWithModelAndOptimizerData:
     best_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
     averaged_model: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
     averaged_count: int = 0
+
+
+def check_loop_state(where: str, state: object) -> None:
+    """Refuse a :class:`LoopState` whose fields are not of their documented types, naming the field.
+
+    The class takes what it is given (DESIGN.md's constructors stay as they are); a run calls
+    this before it starts, so that a bad ``init_state`` is named there and not deep inside.
+    ``where`` names the argument, e.g. ``"epochs: init_state"``.
+    """
+    if not isinstance(state, LoopState):
+        msg = f"{where} must be a lamploop.LoopState, got {type(state).__name__}"
+        raise ConfigurationError(msg)
+
+    def refuse(field: str, wanted: str, value: object) -> None:
+        msg = f"{where}.{field} must be {wanted}, got {value!r}"
+        raise ConfigurationError(msg)
+
+    def is_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not is_int(state.epoch) or state.epoch < 0:
+        refuse("epoch", "an int >= 0", state.epoch)
+    for field in ("last_validation_loss", "min_validation_loss"):
+        value = getattr(state, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            refuse(field, "a float or None", value)
+    epoch = state.min_validation_epoch
+    if epoch is not None and (not is_int(epoch) or epoch < 0):
+        refuse("min_validation_epoch", "an int >= 0 or None", epoch)
+    for i, entry in enumerate(state.learning_curve):
+        if not isinstance(entry, LearningCurveEntry):
+            refuse(f"learning_curve[{i}]", "a lamploop.LearningCurveEntry", entry)
 
 
 def _structure_none(value: object, _: object) -> None:

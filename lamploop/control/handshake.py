@@ -36,7 +36,7 @@ from lamploop.transport.handshake import (
     receive_hello,
 )
 
-__all__ = ["RULES", "authenticate_follower", "greet_root", "mismatch"]
+__all__ = ["RULES", "HungUpBeforeChallenge", "authenticate_follower", "greet_root", "mismatch"]
 
 RULES: HelloRules[Hello] = HelloRules(
     protocol="control",
@@ -85,6 +85,16 @@ def mismatch(hello: Hello, run: Run, joined: Mapping[int, Connection]) -> str | 
     return None
 
 
+class HungUpBeforeChallenge(ControlChannelError):
+    """The root's end of a connection closed before it sent its challenge.
+
+    A root ending its run does that to a connection the kernel had already queued on its
+    listener; the next run's root listens on the same port moments later, so a follower tries
+    again until its connect timeout (a port with no lamploop root behind it fails the same way,
+    at that timeout).
+    """
+
+
 async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version: int) -> None:
     """The follower's side: answer the root's challenge with a hello, then check the root's proof.
 
@@ -95,11 +105,22 @@ async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version:
     Raises:
         HandshakeError: the root refused this follower (with the root's reason), or did not
             prove the shared token.
+        HungUpBeforeChallenge: the connection ended before the root's challenge.
         ControlChannelError: the root sent something else than the handshake, or the
             connection failed.
     """
     try:
-        challenge = judge_challenge(await conn.receive(), Challenge)
+        first = await conn.receive()
+    except ControlChannelError as exc:
+        raise HungUpBeforeChallenge(
+            f"rank {rank}: {exc}, before a challenge: is it a lamploop root?"
+        ) from exc
+    if first is None:
+        raise HungUpBeforeChallenge(
+            f"rank {rank}: {conn.peer} closed the connection instead of a challenge: is it a lamploop root?"
+        )
+    try:
+        challenge = judge_challenge(first, Challenge)
     except NotAChallenge as exc:
         msg = f"rank {rank}: {conn.peer} {exc.what}: is it a lamploop root?"
         raise ControlChannelError(msg) from None

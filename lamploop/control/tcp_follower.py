@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from lamploop.control.commands import Command, Rendezvous, Stop, Train, Valid
 from lamploop.control.connection import Connection, Gone, abort_message
-from lamploop.control.handshake import greet_root
+from lamploop.control.handshake import HungUpBeforeChallenge, greet_root
 from lamploop.control.root_admission import RUN_FINISHED
 from lamploop.control.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, Link, Run
 from lamploop.control.wire import (
@@ -47,6 +47,10 @@ logger = logging.getLogger("lamploop.control")
 
 MAX_UNREAD_COMMANDS = 1024
 """A follower this many commands behind fails with :class:`ControlChannelError`."""
+
+HANGUPS_BEFORE_CHALLENGE_TRIED = 3
+"""Connections that end before the root's challenge a follower tries past, within its connect
+timeout: a root ending its run hangs up once on a connection queued on its listener."""
 
 
 class TcpControlFollower:
@@ -108,6 +112,7 @@ class TcpControlFollower:
         self._sup = Supervisor(on_failure=self._wake_up)
         self._conn: Connection | None = None
         self._join_called = False
+        self._hangups = 0
         self._rendezvous: Rendezvous | None = None
         self._rendezvous_or_failed = anyio.Event()
         self._drained = anyio.Event()
@@ -174,6 +179,7 @@ class TcpControlFollower:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
         self._join_called = True  # before the first await: a concurrent second call is refused too
+        self._hangups = 0
         deadline = anyio.current_time() + self._connect_timeout
         conn = await self._connect_and_greet(deadline)
         while conn is None:  # the previous run's root, still ending: until this run's root listens
@@ -205,7 +211,8 @@ class TcpControlFollower:
 
     async def _connect_and_greet(self, deadline: float) -> Connection | None:
         """A connection to the root, greeted; ``None`` when the root's run was finished
-        (:data:`~lamploop.control.root_admission.RUN_FINISHED`) and ``deadline`` is not past."""
+        (:data:`~lamploop.control.root_admission.RUN_FINISHED`) or the connection ended before
+        the root's challenge, and ``deadline`` is not past."""
         stream: anyio.abc.ByteStream = await self._connect(deadline)
         preauth = preauth_frame_limit(self._run.nranks, self._run.model_spec, self._link.max_frame_bytes)
         conn = Connection(stream, peer=self._root, link=self._link, preauth_frame_bytes=preauth)
@@ -223,6 +230,16 @@ class TcpControlFollower:
         except HandshakeError as exc:
             if RUN_FINISHED in str(exc) and anyio.current_time() < deadline:
                 logger.debug("rank %d: %s ends its run; waiting for the next", self.rank, self._root)
+                return None
+            raise
+        except HungUpBeforeChallenge as exc:
+            # A previous run's root closing its listener (with this connection queued on it),
+            # as a process running fit again at once meets: the next root comes on the same port,
+            # refusing connections meanwhile.  What hangs up on every try (a TLS root, another
+            # service) is named after a few.
+            self._hangups += 1
+            if self._hangups < HANGUPS_BEFORE_CHALLENGE_TRIED and anyio.current_time() < deadline:
+                logger.debug("rank %d: %s; trying again", self.rank, exc)
                 return None
             raise
         finally:

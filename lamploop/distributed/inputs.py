@@ -18,7 +18,7 @@ import torch
 from lamploop.checks import check_callable
 from lamploop.errors import ConfigurationError
 from lamploop.model import check_model
-from lamploop.state import LoopStateWithModelAndOptimizerData
+from lamploop.state import LoopStateWithModelAndOptimizerData, check_loop_state
 
 __all__ = [
     "check_batch_factory",
@@ -165,4 +165,6 @@ def check_resume_arguments(where: str, init_state: object, checkpoint_state: obj
             f"got {type(init_state).__name__}{hint}"
         )
         raise ConfigurationError(msg)
+    if init_state is not None:
+        check_loop_state(f"{where}: init_state.loop_state", init_state.loop_state)
     check_callable(f"{where}: checkpoint_state", checkpoint_state, optional=True)

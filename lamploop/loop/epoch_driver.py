@@ -32,7 +32,7 @@ from lamploop.errors import ConfigurationError, NonFiniteLossError, StreamExhaus
 from lamploop.loop.selection import ModelSelection, SelectionMode, smoothed_metrics, validations_since_best
 from lamploop.metrics import metrics_of
 from lamploop.schedules import LearningRateSchedule, noop
-from lamploop.state import LearningCurveEntry, LoopState
+from lamploop.state import LearningCurveEntry, LoopState, check_loop_state
 
 __all__ = ["ALL_EPOCHS", "AllEpochs", "epochs"]
 
@@ -88,10 +88,8 @@ def _validate(
         kind = type(init_state).__name__
         msg = f"epochs: init_state must be a lamploop.LoopState or None, got {kind}{hint}"
         raise ConfigurationError(msg)
-    start = None if init_state is None else init_state.epoch
-    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
-        msg = f"epochs: init_state.epoch must be an int >= 0, got {start!r}"
-        raise ConfigurationError(msg)
+    if init_state is not None:
+        check_loop_state("epochs: init_state", init_state)
 
 
 def _check_effects(

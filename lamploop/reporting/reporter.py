@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import Event
 
 __all__ = ["Reporter", "close_all", "report_all", "start_all"]
@@ -32,6 +33,9 @@ class Reporter(Protocol):
 
 def report_all(reporters: Iterable[Reporter], event: Event) -> None:
     """Hand ``event`` to every reporter; a reporter that fails is logged, never fails the run."""
+    if not isinstance(reporters, Iterable):
+        msg = f"report_all: reporters must be an iterable of reporters, got {type(reporters).__name__}"
+        raise ConfigurationError(msg)
     for reporter in reporters:
         try:
             reporter.report(event)

@@ -464,7 +464,9 @@ def test_drive_with_nranks_other_than_the_control_channel_fails_at_start(tmp_pat
     than hanging in the first collective." drive_distributed_training: "nranks: the number of
     ranks, this one included"; "ConfigurationError: bad arguments".
 
-    Run in a process of its own (the ranks' threads cannot be cancelled), given 8 s.
+    Run in a process of its own (the ranks' threads cannot be cancelled): the run is given 8 s
+    from its start; the process 45 s, its imports included (a loaded machine once took more
+    than 8 s for those alone).
     """
     out = tmp_path / "results.pt"
     process = subprocess.Popen(
@@ -473,12 +475,13 @@ def test_drive_with_nranks_other_than_the_control_channel_fails_at_start(tmp_pat
         stderr=subprocess.STDOUT,
     )
     try:
-        process.communicate(timeout=8)
+        process.communicate(timeout=45)
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
-        pytest.fail("drive(nranks=3) over a 2-rank channel still ran after 8 s")
+        pytest.fail("drive(nranks=3) over a 2-rank channel still ran after 45 s")
     results = load_record(out)
+    assert results[0]["took_s"] < 8, results[0]
     assert results[0]["error_type"] == "ConfigurationError", results[0]
     assert "nranks" in results[0]["message"], results[0]
     assert "LamploopError" in results[1]["error_mro"], results.get(1)

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "acceptance_launch_train.py"
 MAX_EPOCHS = 4
-RUN_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 100.0  # an elastic restart imports torch twice; a loaded CI machine took past 60 s
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 

@@ -24,6 +24,7 @@ promises:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -100,6 +101,52 @@ def test_a_sigterm_to_the_process_group_stops_at_the_boundary_with_plain_workers
         _training(procs, tmp_path)
         os.killpg(procs.procs["fit"].pid, signal.SIGTERM)
         _stopped_at_a_step_boundary(procs, tmp_path, 143)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc: the run's DataLoader workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_whose_dataloader_worker_is_killed_fails_and_its_process_exits(tmp_path: Path) -> None:
+    """A worker killed (the OOM killer, a SIGKILL) fails the run, and the process then exits.
+
+    It hung forever at its exit instead: Python joined the other worker, which ignores the
+    SIGTERM that comes first (it leaves the stop signals to the run) and waited for work.
+    """
+    with _run(tmp_path, "plain") as procs:
+        _training(procs, tmp_path)
+        fit = procs.procs["fit"]
+        deadline = time.monotonic() + EXITED_WITHIN_S
+        # One worker, again only while the run has not failed (a worker ending with its epoch
+        # can be missed); never the other: the test must not end it in its parent's stead.
+        while "exited unexpectedly" not in procs.log("fit") and fit.poll() is None:
+            assert time.monotonic() < deadline, procs.logs()
+            with contextlib.suppress(ProcessLookupError, IndexError):
+                os.kill(_children(fit.pid)[0], signal.SIGKILL)
+            time.sleep(1.0)
+        assert procs.wait("fit", EXITED_WITHIN_S) == 1, procs.logs()
+    assert "exited unexpectedly" in procs.log("fit"), procs.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_whose_loader_keeps_its_workers_exits_when_it_is_done(tmp_path: Path) -> None:
+    """``persistent_workers=True``: the workers outlive each epoch, not the process.  A finished
+    run's process hung at its exit, joining workers that ignore the exit's SIGTERM."""
+    with _run(tmp_path, "persistent") as procs:
+        assert procs.wait("fit", 120) == 0, procs.logs()
+    assert not _children(procs.procs["fit"].pid)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -172,9 +173,12 @@ async def _local_nranks(root_nranks: int, follower_nranks: int) -> dict[int, Any
         except Exception as error:
             results[0] = _error_record(error)
 
+    began = time.monotonic()  # after the imports, which a loaded machine makes slow
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(follow)
         tasks.start_soon(drive)
+    for record in results.values():
+        record["took_s"] = time.monotonic() - began
     return results
 
 

@@ -12,6 +12,8 @@ epoch on another such loader, checkpointing into ``OUT_DIR/checkpoints``.  ``MOD
 - ``slow-validation``: plain loaders, validation four times slower; ``OUT_DIR/validating.json``
   names the epoch whose validation pass has begun (on rank 0);
 - ``slow-validation-2``: the same on two ranks (``fit(world_size=2)`` starts rank 1 itself);
+- ``persistent``: the training loader keeps its workers between epochs
+  (``persistent_workers=True``); three epochs;
 - ``first-of-two``: one epoch, with a checkpoint extra (checkpoints at epoch ends);
 - ``slow-resume``: resumes from ``OUT_DIR/checkpoints`` (``first-of-two`` wrote it) through
   that checkpoint extra whose restore takes ``RESTORE_S``; ``OUT_DIR/restoring.json``
@@ -86,8 +88,16 @@ def main(out: Path, mode: str) -> int:
     _write(out / "started.json", {"pid": os.getpid()})
     torch.manual_seed(0)
     init = leave_stop_signals_to_the_run if mode == "ignoring" else None
+    persistent = mode == "persistent"
     train = lamploop.dataloader_batches(
-        DataLoader(Slow(ITEM_S), batch_size=BATCH, shuffle=True, num_workers=WORKERS, worker_init_fn=init)
+        DataLoader(
+            Slow(ITEM_S),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=WORKERS,
+            worker_init_fn=init,
+            persistent_workers=persistent,
+        )
     )
     slow_validation = mode in ("slow-validation", "slow-validation-2")
     validation_delay = ITEM_S * (4 if slow_validation else 1)
@@ -106,7 +116,7 @@ def main(out: Path, mode: str) -> int:
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
             train_batches=train,
             validation_batches=lamploop.dataloader_batches(validation),
-            max_epochs=1 if mode == "first-of-two" else MAX_EPOCHS,
+            max_epochs=1 if mode == "first-of-two" else 3 if persistent else MAX_EPOCHS,
             world_size=2 if mode == "slow-validation-2" else None,
             checkpoint_dir=out / "checkpoints",
             checkpoint_extras=extras,

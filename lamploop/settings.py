@@ -233,13 +233,16 @@ class TrainingSettings:
     def every_rank_fingerprint(self) -> str:
         """The :attr:`EVERY_RANK` settings as one string that the ranks compare when they meet.
 
-        Numbers, strings and frozen attrs values (schedules) by value; a function (an
-        ``lr_scheduler`` factory, a step schedule of your own) by whether it is set.
+        Numbers (``25`` and ``25.0`` alike), strings and frozen attrs values (schedules) by
+        value; anything else (an ``lr_scheduler`` factory, a step schedule of your own) by
+        whether it is set and its type's name.
         """
 
         def shown(value: Any) -> Any:
-            if value is None or isinstance(value, bool | int | float | str):
+            if value is None or isinstance(value, bool | str):
                 return value
+            if isinstance(value, int | float):  # 25 and 25.0 compare equal: so do their fingerprints
+                return float(value)
             if attrs.has(type(value)):
                 return repr(value)
             return f"a {type(value).__name__}"

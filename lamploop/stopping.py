@@ -27,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from types import TracebackType
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.abc
@@ -86,8 +86,9 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
 
     Yields the scope that a second request cancels.  On the main thread SIGTERM and SIGINT
     are the requests; elsewhere (see :func:`blocking`) the thread that waits makes them.
-    The body's exceptions pass through unwrapped.  Enter one per run: leaving it sets the
-    signals' actions back to their defaults, also under an outer one.
+    The body's exceptions pass through unwrapped.  Enter one per run: leaving it sets back
+    the handlers the caller had installed (``signal.signal``), and otherwise the signals'
+    defaults, also under an outer one.
     """
     # Processes forked while it runs (DataLoader workers) must not write their copy of a
     # group signal into this event loop's wake-up socket: one Ctrl-C would count as two.
@@ -128,16 +129,36 @@ async def _watch_signals(
     stop: StopRequest, scope: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
 ) -> None:
     signalled = False  # a request relayed from another rank (see share_stop_requests) is no first signal
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, _at_once_in_held_loops(stop):
-        task_status.started()
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if signalled:
-                scope.cancel()
-                return
-            signalled = True
-            stop.request(name)
-            logger.info("%s: stopping after the current step (again to stop at once)", name)
+    callers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with (
+            anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            _at_once_in_held_loops(stop),
+        ):
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if signalled:
+                    scope.cancel()
+                    return
+                signalled = True
+                stop.request(name)
+                logger.info("%s: stopping after the current step (again to stop at once)", name)
+    finally:
+        _give_back(callers)
+
+
+def _give_back(callers: dict[int, Any]) -> None:
+    """Set back the handlers the caller had installed (the receiver sets the defaults back).
+
+    Not an outer event loop's own handler: its registration went with the receiver's, so the
+    default is what stands for it (see :func:`stop_on_signals`).
+    """
+    for signum, handler in callers.items():
+        if handler is None or getattr(handler, "__name__", "") == "_sighandler_noop":
+            continue
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ process group).  The gradient contract is :class:`~lamploop.sync.strategy.Gradie
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -111,9 +112,16 @@ class SingleProcessChannel:
     rank = 0
     nranks = 1
 
+    def __init__(self) -> None:
+        self._syncs: weakref.WeakKeyDictionary[torch.nn.Module, GradientSync] = weakref.WeakKeyDictionary()
+
     def gradient_sync(self, module: torch.nn.Module) -> GradientSync:
-        """Gradients need no reduction; ``reduce`` only rescales them."""
-        return _LocalGradients(list(module.parameters()))
+        """Gradients need no reduction; ``reduce`` only rescales them (the same object for the
+        same module, as :class:`TensorChannel` promises)."""
+        sync = self._syncs.get(module)
+        if sync is None:
+            sync = self._syncs[module] = _LocalGradients(list(module.parameters()))
+        return sync
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """The sum over one rank is the values themselves."""

@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -148,7 +148,7 @@ async def _watch_signals(
         _give_back(callers)
 
 
-def _give_back(callers: dict[int, Any]) -> None:
+def _give_back(callers: Mapping[signal.Signals, Any]) -> None:
     """Set back the handlers the caller had installed (the receiver sets the defaults back).
 
     Not an outer event loop's own handler: its registration went with the receiver's, so the

@@ -1171,27 +1171,21 @@ STREAMING = [
         "Sample producer an int",
         lambda _: streaming.Sample(producer=5, seq=0, tensors={"x": X[0]}),
         "producer",
-        defect="Sample(producer=5) is accepted",
     ),
     case(
         "Sample seq -1",
         lambda _: streaming.Sample(producer="p", seq=-1, tensors={"x": X[0]}),
         "seq",
-        defect="Sample(seq=-1) is accepted",
     ),
     case(
         "Sample tensors a tensor",
         lambda _: streaming.Sample(producer="p", seq=0, tensors=X[0]),
         "tensors",
-        defect=(
-            "raw TypeError: cannot convert dictionary update sequence element (lamploop/streaming/sample.py)"
-        ),
     ),
     case(
         "Sample tensors of lists",
         lambda _: streaming.Sample(producer="p", seq=0, tensors={"x": [1.0]}),
         "x",
-        defect="Sample(tensors={'x': [1.0]}) is accepted",
     ),
     case(
         "buffer_batches buffer an int",

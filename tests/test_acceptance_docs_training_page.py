@@ -773,15 +773,6 @@ def test_lr_find_without_a_threshold_stops_at_a_non_finite_loss() -> None:
     assert max(smoothed) > 4 * min(smoothed)  # a threshold of 4 would have stopped earlier
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DEFECT: training.md:134 says lr_find stops once the smoothed loss exceeds "
-        "divergence_threshold times the best (LrFindResult: one entry per optimizer step taken); "
-        "when that happens inside an epoch it takes one more optimizer step (at the next, larger "
-        "rate) that is not in the result: 36 steps taken for 35 entries"
-    ),
-)
 def test_lr_find_takes_no_step_after_the_one_that_diverged() -> None:
     """training.md: lr_find "trains a deep copy of the model for up to `num_steps` optimizer steps
     ... and stops early once the smoothed loss exceeds `divergence_threshold` (4) times the best

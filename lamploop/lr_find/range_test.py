@@ -126,6 +126,12 @@ async def lr_find_async(
             for group in optimizer.param_groups:
                 group["lr"] = recorder.rate
 
+        def step_while_testing() -> None:
+            # The pass reads a batch ahead: a step begun before the loss diverged ends after;
+            # it is not taken (the result has one entry per step taken).
+            if not recorder.done:
+                optimizer.step()
+
         budget = [steps * k]
         loss_scale = LossScale() if precision == "fp16" else None
         epoch = 0
@@ -135,7 +141,7 @@ async def lr_find_async(
                 await one_epoch(
                     model=work,
                     batches=stream,
-                    step_optimizer=optimizer.step,
+                    step_optimizer=step_while_testing,
                     accumulate_gradient_over_n_batches=k,
                     device=target,
                     epoch=epoch,

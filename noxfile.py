@@ -26,21 +26,37 @@ def install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (multi-process tests included, GPU tests skip without CUDA).
 
-    Every test, in two phases: the tests not marked ``serial`` on pytest-xdist workers side
-    by side, then the ``serial`` ones alone (tests/conftest.py). With arguments, just
+    Every test not marked ``serial`` or ``soak``, on pytest-xdist workers side by side
+    (``stress`` runs those; tests/conftest.py says which and why). With arguments, just
     ``pytest <arguments>``.
     """
     install(session, "test")
     if session.posargs:
         session.run("pytest", *session.posargs)
         return
+    _compile(session)
+    session.run("pytest", "-n", _workers(), "--dist", "loadfile", "-m", "not serial and not soak")
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The fault scenarios apart from the suite (CI runs them after ``tests``): the ``soak``
+    modules on pytest-xdist workers, then the ``serial`` ones alone (tests/conftest.py)."""
+    install(session, "test")
+    _compile(session)
+    session.run("pytest", "-n", _workers(), "--dist", "loadfile", "-m", "soak")
+    session.run("pytest", "-p", "no:xdist", "-m", "serial")
+
+
+def _compile(session: nox.Session) -> None:
     # Byte-compile once: the suite starts more than 140 Python processes (ranks, producers, the
     # CLI), and where PYTHONDONTWRITEBYTECODE is set (this CI machine) each would compile
     # lamploop and the test helpers again, about 0.5 s of CPU per process.
     session.run("python", "-m", "compileall", "-q", "-j", "0", "lamploop", "tests", "examples", silent=True)
-    workers = os.environ.get("LAMPLOOP_TEST_WORKERS", "3")
-    session.run("pytest", "-n", workers, "--dist", "loadfile", "-m", "not serial")
-    session.run("pytest", "-p", "no:xdist", "-m", "serial")
+
+
+def _workers() -> str:
+    return os.environ.get("LAMPLOOP_TEST_WORKERS", "3")
 
 
 @nox.session

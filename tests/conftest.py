@@ -1,12 +1,15 @@
-"""Shared fixtures: anyio runs every async test on asyncio; which modules run alone.
+"""Shared fixtures: anyio runs every async test on asyncio; which modules run alone or apart.
 
-``nox -s tests`` runs the suite in two phases: every test not marked ``serial`` on several
+``nox -s tests`` runs the suite: every test marked neither ``serial`` nor ``soak``, on several
 pytest-xdist workers side by side (most multi-process tests spend their time waiting for
-processes to start and for timeouts, not computing), then the ``serial`` ones alone, one
-after the other: the modules below assert a tight bound on a detection, a stop or a
-heartbeat (a second or a few), or load the CPU on purpose, and must not share the machine
-with other tests. Fault tests with generous bounds (tens of seconds: test_graceful_stop's
-SIGKILLs, test_multinode's namespaces) run in the parallel phase.
+processes to start and for timeouts, not computing).  ``nox -s stress`` (CI runs it after
+``tests``) runs the rest: the ``soak`` modules on the workers, then the ``serial`` ones alone,
+one after the other.  ``serial``: the modules assert a tight bound on a detection, a stop or a
+heartbeat (a second or a few), or load the CPU on purpose, and must not share the machine with
+other tests.  ``soak``: fault scenarios run end to end, again and again or through whole
+launchers (a dozen SIGKILLs, runs stopped and resumed, torchrun restarts, two network
+namespaces, a terminal's Ctrl-C): a third of the parallel phase's time, apart so that the
+suite stays under 10 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ SERIAL_MODULES = frozenset(
     }
 )
 
+SOAK_MODULES = frozenset(
+    {
+        "test_acceptance_docs_launch",
+        "test_acceptance_docs_reliability",
+        "test_graceful_stop",
+        "test_multinode",
+        "test_sigkills",
+        "test_terminal",
+    }
+)
+"""The fault scenarios ``nox -s stress`` runs apart (the module docstring); 800 s of the parallel
+phase's 2,600 s of test time (its workers' sum, 2026-11-29)."""
+
 
 SLOWEST_MODULES = (
     "test_sigkills",
@@ -72,6 +88,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _module_name(item) in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        elif _module_name(item) in SOAK_MODULES:
+            item.add_marker(pytest.mark.soak)
     first = {name: index for index, name in enumerate(SLOWEST_MODULES)}
     # A stable sort: every other module keeps its place, and each module's tests their order.
     items.sort(key=lambda item: first.get(_module_name(item), len(first)))

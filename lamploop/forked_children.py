@@ -36,10 +36,11 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "leave_stop_signals_to_the_run",
+    "not_inherited_by_workers",
     "shut_down_at_exit",
     "signals_stay_with_this_process",
     "workers_forked_here_wait_for_their_init",
@@ -105,6 +106,43 @@ _forks_wait_for_init = threading.local()
 _blocked_until_init = False
 """In a worker forked under :func:`workers_forked_here_wait_for_their_init`: still blocked."""
 
+
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+_sockets_of_the_run: weakref.WeakSet[HasFileno] = weakref.WeakSet()
+"""The run's connections, which the processes it forks must not hold (:func:`not_inherited_by_workers`)."""
+
+
+def not_inherited_by_workers(connection: HasFileno) -> None:
+    """Processes this run forks (DataLoader workers) do not keep ``connection`` open.
+
+    ``connection`` is held weakly; its ``fileno()`` names its socket's descriptor (negative
+    once closed).  A forked process holds a copy of every descriptor: when a rank died
+    (SIGKILL) with its loader's workers alive, those orphans kept its control connections
+    open, and its peers saw no end of stream: they found it lost only at the heartbeat timeout
+    (4 s), not at once.  In such a child the descriptor is pointed at ``/dev/null`` (not
+    closed: the number stays taken, so nothing the child opens later gets it while the copied
+    socket object names it).
+    """
+    with _lock:
+        _sockets_of_the_run.add(connection)
+
+
+def _drop_the_runs_sockets() -> None:
+    descriptors = [fd for fd in (conn.fileno() for conn in list(_sockets_of_the_run)) if fd >= 0]
+    if not descriptors:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in descriptors:
+            with suppress(OSError):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 _STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 _mask_before_fork = threading.local()
 """The forking thread's signal mask, kept by :func:`_before_fork` until the fork returns."""
@@ -136,6 +174,7 @@ def _after_fork_in_child() -> None:
         # other than the main one: no wake-up fd to drop.)
         with suppress(ValueError):
             signal.set_wakeup_fd(-1)
+        _drop_the_runs_sockets()
     if waits_for_init:
         _forks_wait_for_init.on = False
         _blocked_until_init = True  # leave_stop_signals_to_the_run unblocks them, ignored

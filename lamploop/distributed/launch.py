@@ -38,7 +38,7 @@ import torch.distributed as dist
 from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed.network import slurm_first_host, slurm_job_port
-from lamploop.errors import ConfigurationError, ControlChannelError, TrainingInterrupted
+from lamploop.errors import ConfigurationError, ControlChannelError, PeerLostError, TrainingInterrupted
 from lamploop.modelspec import ModelSpec
 
 __all__ = [
@@ -310,6 +310,27 @@ class _Ending:
 
     lost: Callable[[int, str, str], None] | None = None
     root_failed: bool = False
+    children: dict[int, anyio.CancelScope] = attrs.Factory(dict)
+    """Each follower's process, by rank: cancelling its scope kills it."""
+
+    def kill_the_frozen(self, failure: BaseException) -> None:
+        """Kill the followers that ``failure`` names as silent (frozen: SIGSTOPped, or cut off).
+
+        They cannot be told to end, and a stopped process does not take a SIGTERM: waiting for
+        them held the root's error for :data:`FAILED_FOLLOWER_EXIT_TIMEOUT_S` (12 s after the
+        fault instead of the heartbeat timeout's 4).
+        """
+        for leaf in _leaves(failure):
+            if isinstance(leaf, PeerLostError) and leaf.how == "silent" and leaf.rank in self.children:
+                logger.info("killing rank %d: it was lost silent (frozen or cut off)", leaf.rank)
+                self.children[leaf.rank].cancel()
+
+
+def _leaves(failure: BaseException) -> list[BaseException]:
+    inner = getattr(failure, "exceptions", None)
+    if isinstance(inner, tuple):
+        return [leaf for exc in inner for leaf in _leaves(exc)]
+    return [failure]
 
 
 @asynccontextmanager
@@ -383,6 +404,7 @@ async def open_root(
             # launcher started does.  Their failing exits are expected; killed only if they linger.
             failed = exc
             ending.root_failed = True
+            ending.kill_the_frozen(exc)
             followers.cancel_scope.deadline = anyio.current_time() + FAILED_FOLLOWER_EXIT_TIMEOUT_S
         else:
             # The followers got Stop; give them a bounded time to exit before they are killed.
@@ -446,7 +468,11 @@ def spawn_followers(
 
 
 async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _Ending) -> None:
-    result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
+    with anyio.CancelScope() as process:  # cancelled: anyio kills the process and waits for it
+        ending.children[rank] = process
+        result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
+    if process.cancelled_caught:
+        return
     if result.returncode != 0:
         if ending.root_failed:
             logger.info("rank %d exited with status %d after the root failed", rank, result.returncode)

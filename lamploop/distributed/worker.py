@@ -61,9 +61,11 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     worker to give up (it does within a collective's wait slice) and re-raises the cancellation,
     unless the worker failed with an error that every rank detects itself: that one wins.
 
-    With ``abort.give_up_after`` set (a sharded model, whose ``DTensor`` collectives wait out of
-    the signal's reach), the worker is waited for that long after the signal, no longer: the
-    cancellation then goes on and the worker is left blocked.  It runs on a daemon thread, so
+    The worker is waited for ``abort.give_up_after`` after the signal
+    (:data:`~lamploop.sync.collectives.DEFAULT_GIVE_UP_AFTER_S`, shorter for a sharded model,
+    whose ``DTensor`` collectives wait out of the signal's reach), no longer: the cancellation
+    then goes on and the worker is left where it is (the user's batch source or forward that
+    blocks; it may still change the model until it returns).  It runs on a daemon thread, so
     that it never holds the process's exit.  A rank's epochs run on its :class:`RankThread`.
     """
     async with open_rank_thread(abort) as thread:

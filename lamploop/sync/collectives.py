@@ -29,6 +29,7 @@ from lamploop.sync.abandon import abandon
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "DEFAULT_GIVE_UP_AFTER_S",
     "POLL_S",
     "AbortSignal",
     "Collectives",
@@ -51,6 +52,12 @@ Work: TypeAlias = Any
 
 POLL_S: Final = 0.1
 """The slice of a wait between two looks at the abort signal."""
+
+DEFAULT_GIVE_UP_AFTER_S: Final = 2.0
+"""How long after its abort signal a rank waits for its training thread, by default (see
+:class:`AbortSignal`).  A thread in one of lamploop's waits ends within :data:`POLL_S`; this
+bounds the user's code: a follower whose batch source blocked for minutes outlived its killed
+root by as long, silently.  Long enough for a sliced wait to end on a loaded machine."""
 _SLICE: Final = datetime.timedelta(seconds=POLL_S)
 _KEPT_AFTER_WAIT: Final = 2
 """How many waited-for works (with their tensors) a :class:`Collectives` keeps referenced.
@@ -75,20 +82,21 @@ class AbortSignal:
 
     Attributes:
         reason: why it was set (empty until it is).
-        give_up_after: ``None`` (the default): every wait of the rank's training thread looks
-            at this signal, so the rank waits for that thread to end after the signal (see
-            :func:`lamploop.distributed.worker.run_on_worker`).  Seconds: the thread may be
-            blocked in a collective that looks at nothing (a ``DTensor``'s, inside
-            ``torch.nn.utils.clip_grad_norm_`` on a sharded model), and is given up this long
-            after the signal: the rank's run then ends with its error while the thread stays
-            blocked (a daemon thread: it does not hold the process's exit).  Set by
-            :meth:`allow_giving_up`.
+        give_up_after: how long after the signal the rank waits for its training thread to
+            end (see :func:`lamploop.distributed.worker.run_on_worker`); past it, the thread is
+            given up on: the rank's run ends with its error while the thread stays where it is
+            (a daemon thread: it does not hold the process's exit).  Every wait of lamploop's
+            own looks at the signal and ends within :data:`POLL_S`; the bound is for what does
+            not: the user's code (a batch source that blocks on the network, a long forward)
+            and a collective out of the signal's reach (a ``DTensor``'s, inside
+            ``torch.nn.utils.clip_grad_norm_`` on a sharded model: :meth:`allow_giving_up`
+            shortens it).  Default :data:`DEFAULT_GIVE_UP_AFTER_S`; ``None``: wait for ever.
     """
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
-        self.give_up_after: float | None = None
+        self.give_up_after: float | None = DEFAULT_GIVE_UP_AFTER_S
 
     def allow_giving_up(self, after: float) -> None:
         """The training thread may block out of this signal's reach: give it up ``after`` s after it."""

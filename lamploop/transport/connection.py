@@ -24,6 +24,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 
 from lamploop.errors import TransportError
+from lamploop.forked_children import not_inherited_by_workers
 from lamploop.transport.frames import FrameDecoder
 from lamploop.transport.receive_into import receive_into
 from lamploop.transport.scatter import scatter_transport, write_parts
@@ -97,6 +98,7 @@ class FramedConnection(Generic[Item]):
     ) -> None:
         self.stream = stream
         self.decoder = decoder
+        not_inherited_by_workers(self)  # a rank's DataLoader workers must not keep it open when it dies
         # Looked up now, while the socket is connected: a peer that resets the connection
         # (a port scanner does) has no address to ask for once it is gone.
         self._peer = peer if peer is not None else remote(stream)
@@ -109,6 +111,11 @@ class FramedConnection(Generic[Item]):
     def peer(self) -> str:
         """Who is at the other end, for messages (``host:port`` unless named)."""
         return self._peer
+
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 when closed, or not a socket)."""
+        raw = self.stream.extra(SocketAttribute.raw_socket, None)
+        return -1 if raw is None else int(raw.fileno())
 
     @property
     def has_pending(self) -> bool:

@@ -48,6 +48,7 @@ SOAK_MODULES = frozenset(
     {
         "test_acceptance_docs_launch",
         "test_acceptance_docs_reliability",
+        "test_acceptance_no_hangs",
         "test_graceful_stop",
         "test_multinode",
         "test_sigkills",
@@ -55,7 +56,8 @@ SOAK_MODULES = frozenset(
     }
 )
 """The fault scenarios ``nox -s stress`` runs apart (the module docstring); 800 s of the parallel
-phase's 2,600 s of test time (its workers' sum, 2026-11-29)."""
+phase's 2,600 s of test time (its workers' sum, 2026-11-29), and the 110 s of the faults whose
+process must end (test_acceptance_no_hangs)."""
 
 
 SLOWEST_MODULES = (

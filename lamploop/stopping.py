@@ -92,7 +92,7 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
     """
     # Processes forked while it runs (DataLoader workers) must not write their copy of a
     # group signal into this event loop's wake-up socket: one Ctrl-C would count as two.
-    failure: Exception | None = None
+    failure: BaseException | None = None
     with anyio.CancelScope() as scope, signals_stay_with_this_process():
         async with anyio.create_task_group() as watchers:
             on_main = threading.current_thread() is threading.main_thread()
@@ -104,7 +104,10 @@ async def stop_on_signals(stop: StopRequest) -> AsyncIterator[anyio.CancelScope]
             except Exception as exc:  # raised below as it is: the task group would wrap it in a group
                 failure = exc
             except BaseException as exc:
-                if not _stopped_at_once_in_a_held_loop(exc, stop):
+                exiting = _exit_inside(exc)
+                if exiting is not None:  # sys.exit(3) in a forward exits with 3, a KeyboardInterrupt is one
+                    failure = exiting
+                elif not _stopped_at_once_in_a_held_loop(exc, stop):
                     raise
             finally:
                 watchers.cancel_scope.cancel()
@@ -116,6 +119,20 @@ def _stopped_at_once_in_a_held_loop(exc: BaseException, stop: StopRequest) -> bo
     """Whether ``exc`` is (or holds only) the :class:`StopAtOnce` that a second signal raised in
     a plain iterable (the run then ends as one stopped at once: ``stop.at_once()``)."""
     return stop.at_once() and _only_stops_at_once(exc)
+
+
+def _exit_inside(exc: BaseException) -> BaseException | None:
+    """The ``SystemExit`` or ``KeyboardInterrupt`` that ``exc`` is, or that the task groups'
+    exception groups in it hold alone (cancellations aside): ``None`` when there is none, or
+    something else beside it."""
+    if isinstance(exc, SystemExit | KeyboardInterrupt):
+        return exc
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return None
+    leaves = [e for e in inner if not isinstance(e, anyio.get_cancelled_exc_class())]
+    found = [_exit_inside(e) for e in leaves]
+    return found[0] if found and all(e is not None for e in found) else None
 
 
 def _only_stops_at_once(exc: BaseException) -> bool:

@@ -39,7 +39,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from lamploop.errors import DistributedError, error_detected_by_every_rank
-from lamploop.sync.collectives import AbortSignal
+from lamploop.sync.collectives import DEFAULT_GIVE_UP_AFTER_S, AbortSignal
 
 __all__ = ["EpochRunner", "RankThread", "open_rank_thread", "run_here", "run_on_worker", "worker_runner"]
 
@@ -61,8 +61,8 @@ async def run_on_worker(work: Callable[[], T], abort: AbortSignal) -> T:
     worker to give up (it does within a collective's wait slice) and re-raises the cancellation,
     unless the worker failed with an error that every rank detects itself: that one wins.
 
-    The worker is waited for ``abort.give_up_after`` after the signal
-    (:data:`~lamploop.sync.collectives.DEFAULT_GIVE_UP_AFTER_S`, shorter for a sharded model,
+    The worker is waited for ``abort.give_up_after`` after the signal (by default
+    :data:`~lamploop.sync.collectives.DEFAULT_GIVE_UP_AFTER_S`; shorter for a sharded model,
     whose ``DTensor`` collectives wait out of the signal's reach), no longer: the cancellation
     then goes on and the worker is left where it is (the user's batch source or forward that
     blocks; it may still change the model until it returns).  It runs on a daemon thread, so
@@ -122,8 +122,10 @@ class RankThread:
             self._abort.set(_CANCELLED)
             # A thread cannot be cancelled: wait for it to give up, shielded from the cancellation.
             with anyio.CancelScope(shield=True) as waiting:
-                if self._abort.give_up_after is not None:
-                    waiting.deadline = anyio.current_time() + self._abort.give_up_after
+                give_up_after = self._abort.give_up_after
+                waiting.deadline = anyio.current_time() + (
+                    DEFAULT_GIVE_UP_AFTER_S if give_up_after is None else give_up_after
+                )
                 await finished.wait()
             self.given_up = not finished.is_set()
             # The worker's own verdict, if every rank reaches it, outranks a cancellation caused by

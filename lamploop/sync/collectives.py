@@ -85,18 +85,18 @@ class AbortSignal:
         give_up_after: how long after the signal the rank waits for its training thread to
             end (see :func:`lamploop.distributed.worker.run_on_worker`); past it, the thread is
             given up on: the rank's run ends with its error while the thread stays where it is
-            (a daemon thread: it does not hold the process's exit).  Every wait of lamploop's
-            own looks at the signal and ends within :data:`POLL_S`; the bound is for what does
-            not: the user's code (a batch source that blocks on the network, a long forward)
-            and a collective out of the signal's reach (a ``DTensor``'s, inside
-            ``torch.nn.utils.clip_grad_norm_`` on a sharded model: :meth:`allow_giving_up`
-            shortens it).  Default :data:`DEFAULT_GIVE_UP_AFTER_S`; ``None``: wait for ever.
+            (a daemon thread: it does not hold the process's exit).  ``None`` (the default):
+            :data:`DEFAULT_GIVE_UP_AFTER_S`.  Every wait of lamploop's own looks at the signal
+            and ends within :data:`POLL_S`; the bound is for what does not: the user's code (a
+            batch source that blocks on the network, a long forward) and a collective out of the
+            signal's reach (a ``DTensor``'s, inside ``torch.nn.utils.clip_grad_norm_`` on a
+            sharded model).  Set by :meth:`allow_giving_up`.
     """
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
-        self.give_up_after: float | None = DEFAULT_GIVE_UP_AFTER_S
+        self.give_up_after: float | None = None
 
     def allow_giving_up(self, after: float) -> None:
         """The training thread may block out of this signal's reach: give it up ``after`` s after it."""

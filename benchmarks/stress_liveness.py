@@ -17,7 +17,8 @@ others on ``TcpControlFollower`` (this script again, as ``child``).  Scenarios:
   control channel closed), and to its process's exit (each rank freezes its heap with
   ``gc.freeze()`` before it exits, as a script that exits after a failed run can: Python's final
   garbage collection of torch's heap otherwise adds 4-6 s at load 15-24), with the threads
-  other than the main one that were not daemons when its run returned (there must be none);
+  other than the main one, not daemons, still running 5 s after its run returned (there must
+  be none);
 - ``link``: the same with a frozen link: ranks in two network namespaces (``tests/netns.py``;
   needs root), the link taken down (every packet lost, no reset): 2 ranks (one per host) and
   3 ranks (0 and 1 on host a, 2 on host b): each side names the other;
@@ -501,14 +502,18 @@ def main(argv: list[str]) -> int:
         import threading
 
         # What could keep this process from exiting once its run returned: a thread the library
-        # left running that Python's exit would join.  Checked here, not inferred from timing.
+        # left running that Python's exit would join.  Checked here, not inferred from timing:
+        # each is given 5 s to end (anyio's idle worker threads are told to stop as the event
+        # loop closes, and may still be ending), and those still running are named.
+        returned_at = time.time()
+        staying = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+        for thread in staying:
+            thread.join(timeout=max(0.0, returned_at + 5.0 - time.time()))
         _write(
             Path(config["workdir"]) / f"returned-{rank}.json",
             {
-                "returned_at": time.time(),
-                "non_daemon_threads": [
-                    t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
-                ],
+                "returned_at": returned_at,
+                "non_daemon_threads": [t.name for t in staying if t.is_alive()],
             },
         )
         if not os.environ.get("STRESS_PLAIN_EXIT"):

@@ -10,7 +10,8 @@ while two busy processes per core load the machine:
 - 2 ranks: the follower is frozen: the root's run ends within 5 s naming it.
 
 Every survivor's process then exits: its run returns leaving no thread that Python's exit would
-join, and the process is gone within :data:`EXITED_WITHIN_S` of the fault.
+join for long (none still running 5 s later), and the process is gone within
+:data:`EXITED_WITHIN_S` of the fault.
 
 And checkpoint files are written without holding the GIL for their bytes (a 2 GiB checkpoint
 serialized by ``safetensors.torch.save`` starved the root's event loop for 8.6 s under that

@@ -47,6 +47,7 @@ __all__ = [
     "TrainingInterrupted",
     "TransportError",
     "error_detected_by_every_rank",
+    "exception_leaves",
     "mark_detected_by_every_rank",
 ]
 
@@ -77,17 +78,23 @@ def mark_detected_by_every_rank(error: E) -> E:
     return error
 
 
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """``exc`` itself, or the exceptions inside its exception groups (task groups wrap errors
+    in them), nested groups flattened, in order."""
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple):
+        return [leaf for each in inner for leaf in exception_leaves(each)]
+    return [exc]
+
+
 def error_detected_by_every_rank(exc: BaseException | None) -> LamploopError | None:
     """The error in ``exc`` (``exc`` itself, or one inside its exception groups, the first
     such) that every rank detects itself; ``None`` when there is none."""
-    if isinstance(exc, LamploopError):
-        return exc if exc.detected_by_every_rank else None
-    inner = getattr(exc, "exceptions", None)  # an exception group (task groups wrap errors in them)
-    if isinstance(inner, tuple):
-        for each in inner:
-            found = error_detected_by_every_rank(each)
-            if found is not None:
-                return found
+    if exc is None:
+        return None
+    for leaf in exception_leaves(exc):
+        if isinstance(leaf, LamploopError) and leaf.detected_by_every_rank:
+            return leaf
     return None
 
 

@@ -16,6 +16,7 @@ import cattrs
 import cattrs.gen
 import torch
 
+from lamploop.checks import check_int
 from lamploop.errors import ConfigurationError
 
 __all__ = [
@@ -135,18 +136,13 @@ def check_loop_state(where: str, state: object) -> None:
         msg = f"{where}.{field} must be {wanted}, got {value!r}"
         raise ConfigurationError(msg)
 
-    def is_int(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not is_int(state.epoch) or state.epoch < 0:
-        refuse("epoch", "an int >= 0", state.epoch)
+    check_int(f"{where}.epoch", state.epoch, 0)
     for field in ("last_validation_loss", "min_validation_loss"):
         value = getattr(state, field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             refuse(field, "a float or None", value)
-    epoch = state.min_validation_epoch
-    if epoch is not None and (not is_int(epoch) or epoch < 0):
-        refuse("min_validation_epoch", "an int >= 0 or None", epoch)
+    if state.min_validation_epoch is not None:
+        check_int(f"{where}.min_validation_epoch", state.min_validation_epoch, 0)
     for i, entry in enumerate(state.learning_curve):
         if not isinstance(entry, LearningCurveEntry):
             refuse(f"learning_curve[{i}]", "a lamploop.LearningCurveEntry", entry)

@@ -34,7 +34,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from lamploop.control.commands import ControlFollower, ControlRoot
-from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank
+from lamploop.errors import PeerLostError, TrainingInterrupted, error_detected_by_every_rank, exception_leaves
 from lamploop.forked_children import signals_stay_with_this_process
 from lamploop.interruptible import StopAtOnce, held
 from lamploop.loop.stop_request import SIGNAL_TURNS, StopRequest
@@ -125,21 +125,14 @@ def _exit_inside(exc: BaseException) -> BaseException | None:
     """The ``SystemExit`` or ``KeyboardInterrupt`` that ``exc`` is, or that the task groups'
     exception groups in it hold alone (cancellations aside): ``None`` when there is none, or
     something else beside it."""
-    if isinstance(exc, SystemExit | KeyboardInterrupt):
-        return exc
-    inner = getattr(exc, "exceptions", None)
-    if not isinstance(inner, tuple):
-        return None
-    leaves = [e for e in inner if not isinstance(e, anyio.get_cancelled_exc_class())]
-    found = [_exit_inside(e) for e in leaves]
-    return found[0] if found and all(e is not None for e in found) else None
+    leaves = [e for e in exception_leaves(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
+    exits = [e for e in leaves if isinstance(e, SystemExit | KeyboardInterrupt)]
+    return exits[0] if exits and len(exits) == len(leaves) else None
 
 
 def _only_stops_at_once(exc: BaseException) -> bool:
-    if isinstance(exc, StopAtOnce):
-        return True
-    inner = getattr(exc, "exceptions", None)  # a (Base)ExceptionGroup, from the task groups
-    return isinstance(inner, tuple) and bool(inner) and all(_only_stops_at_once(e) for e in inner)
+    leaves = exception_leaves(exc)
+    return bool(leaves) and all(isinstance(e, StopAtOnce) for e in leaves)
 
 
 async def _watch_signals(

@@ -179,7 +179,6 @@ class TcpControlFollower:
             msg = f"rank {self.rank} already called join()"
             raise ControlChannelError(msg)
         self._join_called = True  # before the first await: a concurrent second call is refused too
-        self._hangups = 0
         deadline = anyio.current_time() + self._connect_timeout
         conn = await self._connect_and_greet(deadline)
         while conn is None:  # the previous run's root, still ending: until this run's root listens

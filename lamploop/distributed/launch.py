@@ -38,7 +38,13 @@ import torch.distributed as dist
 from lamploop.control import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from lamploop.control.tcp import TcpControlFollower, TcpControlRoot
 from lamploop.distributed.network import slurm_first_host, slurm_job_port
-from lamploop.errors import ConfigurationError, ControlChannelError, PeerLostError, TrainingInterrupted
+from lamploop.errors import (
+    ConfigurationError,
+    ControlChannelError,
+    PeerLostError,
+    TrainingInterrupted,
+    exception_leaves,
+)
 from lamploop.modelspec import ModelSpec
 
 __all__ = [
@@ -320,17 +326,10 @@ class _Ending:
         them held the root's error for :data:`FAILED_FOLLOWER_EXIT_TIMEOUT_S` (12 s after the
         fault instead of the heartbeat timeout's 4).
         """
-        for leaf in _leaves(failure):
+        for leaf in exception_leaves(failure):
             if isinstance(leaf, PeerLostError) and leaf.how == "silent" and leaf.rank in self.children:
                 logger.info("killing rank %d: it was lost silent (frozen or cut off)", leaf.rank)
                 self.children[leaf.rank].cancel()
-
-
-def _leaves(failure: BaseException) -> list[BaseException]:
-    inner = getattr(failure, "exceptions", None)
-    if isinstance(inner, tuple):
-        return [leaf for exc in inner for leaf in _leaves(exc)]
-    return [failure]
 
 
 @asynccontextmanager

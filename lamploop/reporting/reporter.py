@@ -33,10 +33,12 @@ class Reporter(Protocol):
 
 def report_all(reporters: Iterable[Reporter], event: Event) -> None:
     """Hand ``event`` to every reporter; a reporter that fails is logged, never fails the run."""
-    if not isinstance(reporters, Iterable):
+    try:
+        each = iter(reporters)  # what the loop does anyway: no check of its own per event
+    except TypeError:
         msg = f"report_all: reporters must be an iterable of reporters, got {type(reporters).__name__}"
-        raise ConfigurationError(msg)
-    for reporter in reporters:
+        raise ConfigurationError(msg) from None
+    for reporter in each:
         try:
             reporter.report(event)
         except Exception:  # a broken reporter must not lose the training run

@@ -53,10 +53,21 @@ def test_a_factory_of_plain_iterables() -> None:
 
     with pytest.raises(ConfigurationError) as info:
         _fit(train_batches=plain)
-    assert "the batch stream is a generator, not an async iterable of batches" in str(info.value)
+    assert str(info.value).startswith(
+        "the batch stream that train_batches(epoch 0, rank 0 of 1) returned is a generator, "
+        "not an async iterable of batches"
+    )
     assert "lamploop.iterable_batches(" in str(info.value)
     state = _fit(train_batches=lamploop.iterable_batches(plain))  # what the message says to do
     assert state is not None
+
+
+def test_a_validation_factory_that_returns_a_list_is_named() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        _fit(validation_batches=lambda context: [(X[:8], Y[:8])])
+    assert str(info.value).startswith(
+        "the batch stream that validation_batches(epoch 0, rank 0 of 1) returned is a list"
+    )
 
 
 def test_a_target_of_the_wrong_dtype_names_epoch_and_batch() -> None:

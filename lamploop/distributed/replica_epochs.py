@@ -18,6 +18,7 @@ from lamploop.distributed.boundaries import RankBoundary
 from lamploop.distributed.rank_extras import RankExtras
 from lamploop.distributed.sharded_rank import ShardedRank
 from lamploop.distributed.worker import EpochRunner, run_here
+from lamploop.loop.batch_checks import check_stream
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.epoch_pass import ValidationStopped, one_epoch
 from lamploop.loop.precision import LOSS_SCALE_KEY, LossScale
@@ -203,8 +204,11 @@ class Replica:
         )
 
     async def _run(self, batches: BatchStreamFactory, epoch: int, **how: Any) -> float:
-        stream = batches(self._context(epoch))
+        context = self._context(epoch)
+        stream = batches(context)
         forward_only = how.get("forward_only", False)
+        factory = "validation_batches" if forward_only else "train_batches"
+        check_stream(stream, f"{factory}(epoch {epoch}, rank {context.rank} of {context.nranks})")
 
         async def one_pass() -> float:
             try:

@@ -99,13 +99,18 @@ def loss_of(
     return loss_sum, count, values
 
 
-def check_stream(batches: object) -> None:
-    """``batches`` is an async iterable, as a batch factory must return."""
+def check_stream(batches: object, made_by: str | None = None) -> None:
+    """``batches`` is an async iterable, as a batch factory must return.
+
+    ``made_by`` says where it came from in the error, e.g. ``"train_batches(epoch 0, rank 1 of 2)"``.
+    """
     if not hasattr(batches, "__aiter__"):
         hint = ""
         if hasattr(batches, "__iter__"):
             hint = "; make the factory with lamploop.iterable_batches(factory_of_plain_iterables)"
-        msg = f"the batch stream is a {type(batches).__name__}, not an async iterable of batches{hint}"
+        source = "" if made_by is None else f" that {made_by} returned"
+        kind = type(batches).__name__
+        msg = f"the batch stream{source} is a {kind}, not an async iterable of batches{hint}"
         raise ConfigurationError(msg)
 
 

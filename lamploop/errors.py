@@ -78,6 +78,34 @@ def mark_detected_by_every_rank(error: E) -> E:
     return error
 
 
+REASON_HEAD_CHARS = 400
+"""How much of a long failure's text (:func:`failure_reason`) is kept from its start."""
+
+REASON_TAIL_CHARS = 1200
+"""How much is kept from its end: the last lines of a traceback in a message (a DataLoader
+worker's re-raised one) name the exception that was raised and its own message."""
+
+
+def shortened(text: str, *, head: int = REASON_HEAD_CHARS, tail: int = REASON_TAIL_CHARS) -> str:
+    """``text``, or, when longer than ``head + tail`` characters (and a marker), its first
+    ``head`` and last ``tail`` characters with a marker saying how many were left out between.
+
+    >>> shortened("a" * 10 + "b" * 100 + "c" * 10, head=10, tail=10)
+    'aaaaaaaaaa [... 100 characters left out ...] cccccccccc'
+    """
+    marker_room = 48
+    if len(text) <= head + tail + marker_room:
+        return text
+    left_out = len(text) - head - tail
+    return f"{text[:head]} [... {left_out} characters left out ...] {text[len(text) - tail :]}"
+
+
+def failure_reason(who: str, exc: BaseException) -> str:
+    """``"the {who} failed: {type}: {message}"`` for the peers' errors, :func:`shortened`: a
+    long message keeps its start (the type and first words) and its end (its last lines)."""
+    return shortened(f"the {who} failed: {type(exc).__name__}: {exc}")
+
+
 def exception_leaves(exc: BaseException) -> list[BaseException]:
     """``exc`` itself, or the exceptions inside its exception groups (task groups wrap errors
     in them), nested groups flattened, in order."""

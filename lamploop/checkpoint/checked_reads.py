@@ -174,12 +174,18 @@ def _structure_schedule_state(
     raise CheckpointError(msg)
 
 
+class _DoesNotFit(CheckpointError):
+    """The checkpoint is sound but the given model is not its model: the caller's mismatch,
+    which a fallback to older checkpoints of the same run would only repeat (raised as a
+    plain :class:`CheckpointError` by :func:`~lamploop.checkpoint.load.load_checkpoint`)."""
+
+
 def _require_fit(file: pathlib.Path, saved: ModelSpec, model: ModelSpec) -> None:
     """``file``'s tensors (``saved``) are the given model's, else a CheckpointError naming the difference."""
     problem = describe_mismatch(saved, model, expected_label="checkpoint", actual_label="model")
     if problem is not None:
         msg = f"{file}: does not fit the given model: {problem}"
-        raise CheckpointError(msg)
+        raise _DoesNotFit(msg)
 
 
 def _check_fits(directory: pathlib.Path, descriptor: _Descriptor, actual: ModelSpec) -> None:

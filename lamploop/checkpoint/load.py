@@ -18,6 +18,7 @@ import torch
 
 from lamploop.checkpoint.checked_reads import (
     _check_fits,
+    _DoesNotFit,
     _load_file,
     _read_tensors,
     _require_fit,
@@ -172,6 +173,26 @@ def _load(
 ) -> Checkpoint:
     """The checkpoint ``path`` names; from a run's root, the newest valid one if ``latest``'s is not."""
     _check_load_arguments(path, schedule, model, restore_rng)
+    try:
+        return _load_or_fall_back(path, schedule, model, restore_rng, whole=whole)
+    except _DoesNotFit as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _load_or_fall_back(
+    path: str | os.PathLike[str],
+    schedule: LearningRateSchedule[Any] | None,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    restore_rng: bool,
+    *,
+    whole: bool,
+) -> Checkpoint:
+    """:func:`_load` past its argument checks; a model that does not fit is raised at once.
+
+    A checkpoint that does not fit ``model`` is sound: the model is not the run's, and the
+    older checkpoints of the run are of the same model, so falling back would warn once for
+    each and end in the same error (or load an older checkpoint of another model).
+    """
     directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback
         return _load_directory(directory, schedule, model, restore_rng, whole=whole)
@@ -182,6 +203,8 @@ def _load(
     while candidate is not None:
         try:
             return _load_directory(candidate, schedule, model, restore_rng, whole=whole)
+        except _DoesNotFit:
+            raise
         except CheckpointError as e:
             first_error = first_error or e
             tried.add(candidate)

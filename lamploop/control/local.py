@@ -42,7 +42,13 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lamploop.control.commands import Command, Rendezvous, Stop, check_command
-from lamploop.errors import ConfigurationError, ControlChannelError, HandshakeError, PeerLostError
+from lamploop.errors import (
+    ConfigurationError,
+    ControlChannelError,
+    HandshakeError,
+    PeerLostError,
+    failure_reason,
+)
 
 __all__ = ["MAX_UNREAD_COMMANDS", "LocalControlFollower", "LocalControlRoot", "local_control"]
 
@@ -75,7 +81,7 @@ def _describe_exit(exc: BaseException | None, what: str) -> str:
         return f"the {what} closed the channel before Stop"
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return f"the {what} was cancelled"
-    return f"the {what} failed: {type(exc).__name__}: {exc}"[:1000]
+    return failure_reason(what, exc)
 
 
 class _Hub:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,15 +89,17 @@ async def follow_distributed_training(
         msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
         raise ConfigurationError(msg)
     check_follower_control(where, control, nranks, rank)
-    check_sharded_strategy("follow_distributed_training", settings, control=control)
-    strategy = settings.strategy
-    if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
-        msg = (
-            f"follow_distributed_training: strategy {strategy!r} steps on every rank "
-            "and needs optimizer_factory"
-        )
-        raise ConfigurationError(msg)
     module = model.module
+
+    def check_strategy() -> None:
+        check_sharded_strategy("follow_distributed_training", settings, control=control)
+        strategy = settings.strategy
+        if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
+            msg = (
+                f"follow_distributed_training: strategy {strategy!r} steps on every rank "
+                "and needs optimizer_factory"
+            )
+            raise ConfigurationError(msg)
 
     def set_up() -> torch.optim.Optimizer | None:
         module.to(torch_device)
@@ -104,7 +107,14 @@ async def follow_distributed_training(
             return None
         return make_optimizer(optimizer_factory, module.parameters(), where="follow_distributed_training")
 
-    optimizer = await anyio.to_thread.run_sync(set_up)
+    try:
+        check_strategy()
+        optimizer = await anyio.to_thread.run_sync(set_up)
+    except Exception:
+        # Before this rank joined, the root could only see it leave ("exited with status 1"
+        # under fit): join, so that leaving the channel with this error tells the root why.
+        await _join_to_report(control)
+        raise
     base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
     rendezvous, commands = await control.join()
 
@@ -157,3 +167,14 @@ async def follow_distributed_training(
                     return
 
         await named_peer_failures(obey(), control, nranks)
+
+
+async def _join_to_report(control: ControlFollower) -> None:
+    """Join the root only so that this follower's failure, on leaving the channel, reaches it.
+
+    Bounded by the channel's own waits (the connect, handshake and join timeouts, the
+    heartbeat timeout); a channel that cannot join is left alone: the follower's own error
+    is raised either way.
+    """
+    with contextlib.suppress(Exception):
+        await control.join()

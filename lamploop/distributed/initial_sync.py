@@ -1,8 +1,9 @@
 """What the ranks settle once, before the first epoch, identically on every rank.
 
 1. they agree on the gradient-sync strategy (``"auto"`` becomes ``all_reduce`` when every
-   rank has an optimizer, else ``reduce_to_root``) and on the model's parameter names,
-   shapes and dtypes;
+   rank has an optimizer, else ``reduce_to_root``, before the ranks compare: a rank asking
+   for ``"auto"`` agrees with one naming what it resolves to) and on the model's parameter
+   names, shapes and dtypes;
 2. the root's model state is broadcast, so followers start from it, also when resuming;
 3. when every rank steps, the root's optimizer state is broadcast too (JSON skeleton and
    tensors over the group: nothing is pickled).
@@ -31,12 +32,18 @@ logger = logging.getLogger("lamploop")
 
 
 def _resolve(collectives: Collectives, requested: str, has_optimizer: bool) -> SyncStrategy:
-    collectives.check_agreement("the sync strategy", requested)
-    if requested != AUTO:
-        return strategy_named(requested)
+    """The strategy every rank settles on: ``"auto"`` resolved, then compared across the ranks.
+
+    ``"auto"`` is ``all_reduce`` when every rank has an optimizer, else ``reduce_to_root``,
+    so a rank that asks for ``"auto"`` agrees with one that names what it resolves to; ranks
+    whose resolved strategies differ are refused on every rank, naming what each asked for.
+    """
     with_optimizer = int(collectives.sum([float(has_optimizer)]).wait()[0])
-    name = "all_reduce" if with_optimizer == collectives.nranks else "reduce_to_root"
-    if collectives.rank == 0:
+    automatic = "all_reduce" if with_optimizer == collectives.nranks else "reduce_to_root"
+    name = automatic if requested == AUTO else requested
+    shown = f"{name} ({AUTO!r} resolved)" if requested == AUTO else name
+    collectives.check_agreement("the sync strategy", name, shown=shown)
+    if requested == AUTO and collectives.rank == 0:
         logger.info(
             "strategy 'auto' is %s: %d of %d ranks have an optimizer",
             name,

@@ -253,8 +253,10 @@ async def _ranks_replica(
             strategy, optimizer = initial_sync(collectives, module, plan.optimizer, settings.strategy)
             # Before anything runs that only some settings start (a broadcast of a scheduler's
             # state, say): ranks that differ would wait on each other until collective_timeout.
+            # The strategy as settled (``"auto"`` resolved): compared by initial_sync already.
             collectives.check_agreement(
-                "the settings every rank must hold alike", settings.every_rank_fingerprint()
+                "the settings every rank must hold alike",
+                attrs.evolve(settings, strategy=strategy.name).every_rank_fingerprint(),
             )
             _check_fp16_strategy(settings, strategy)
             saved = _share_saved(collectives, settings, plan.saved)

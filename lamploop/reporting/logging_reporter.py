@@ -82,8 +82,12 @@ def describe_run_started(event: RunStarted) -> str:
     return f"training on {event.nranks} rank(s) from epoch {event.epoch} to {event.max_epochs}"
 
 
+_DETAIL = -1
+"""A level in :func:`_describe`'s answer: one level below the reporter's (see :class:`LoggingReporter`)."""
+
+
 def _describe(event: Event) -> tuple[int, str] | None:
-    """The level offset (0: the reporter's level; ERROR/WARNING/DEBUG as is) and text of an event."""
+    """The level (0: the reporter's; :data:`_DETAIL`: one below; ERROR/WARNING as is) and text of an event."""
     if isinstance(event, EpochFinished):
         if event.step_breakdown is None:
             return 0, describe_epoch(event)
@@ -100,7 +104,7 @@ def _describe(event: Event) -> tuple[int, str] | None:
         return logging.ERROR, f"training failed: {event.error}"
     if isinstance(event, CheckpointWritten):
         where = f" in {event.path}" if event.path else ""
-        return logging.DEBUG, f"checkpoint of epoch {event.epoch} step {event.steps_done}{where}"
+        return _DETAIL, f"checkpoint of epoch {event.epoch} step {event.steps_done}{where}"
     return None
 
 
@@ -111,7 +115,10 @@ class LoggingReporter:
     table of the top-level modules; see :mod:`lamploop.summary`) when the run made one.
 
     Warnings (a lost rank) and errors (the run failed) keep their own levels; progress
-    samples are not logged.
+    samples are not logged.  A line per checkpoint written goes one level below ``level``
+    (``level - 10``, and never below ``logging.DEBUG`` unless ``level`` is): ``DEBUG`` with
+    the default ``INFO``, so that a run shows one line per epoch, and ``INFO`` with
+    ``level=logging.WARNING``; with ``level=logging.DEBUG`` every line is at ``DEBUG``.
     """
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
@@ -133,9 +140,17 @@ class LoggingReporter:
         if described is None:
             return
         level, text = described
-        self._log(level or self.level, text)
+        self._log(self._level_of(level), text)
         if isinstance(event, RunStarted) and event.model_summary is not None:
             self._log(self.level, str(event.model_summary))  # a record of its own: heading and table
+
+    def _level_of(self, level: int) -> int:
+        """The level to log at for :func:`_describe`'s ``level``."""
+        if level == 0:
+            return self.level
+        if level == _DETAIL:
+            return max(self.level - 10, min(self.level, logging.DEBUG))
+        return level
 
     def _log(self, level: int, text: str) -> None:
         if self.logger.hasHandlers():

@@ -6,6 +6,9 @@ prometheus_client (``pip install "lamploop[prometheus]"``).
 
 The port is bound at the first event (or by :meth:`PrometheusReporter.start`): every rank
 of a run builds the same reporters, and only the root, which hears the events, serves.
+Before that, :attr:`~PrometheusReporter.port` is ``None`` and
+:attr:`~PrometheusReporter.url` raises :class:`~lamploop.errors.ConfigurationError`
+saying the reporter has not started.
 
 >>> from lamploop.reporting import PrometheusReporter, RunStarted
 >>> prometheus = PrometheusReporter(port=0)  # any free port
@@ -230,9 +233,24 @@ class PrometheusReporter:
 
     @property
     def url(self) -> str:
-        """``http://host:port/metrics`` (once started)."""
+        """``http://host:port/metrics``, once started (also after :meth:`close`: where it served).
+
+        Raises:
+            ConfigurationError: the reporter has not started yet: its port is bound at the
+                first event or by :meth:`start` (with ``port=0`` there is no port before).
+        """
+        if self.port is None:
+            port = "a free port" if self._port == 0 else f"port {self._port}"
+            msg = (
+                f"PrometheusReporter.url: the reporter has not started yet, so it serves nowhere "
+                f"({port} on {self.host} is bound at the run's first event, or by start())"
+            )
+            raise ConfigurationError(msg)
+        return f"http://{self._address(self.port)}/metrics"
+
+    def _address(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{host}:{port}"
 
     def _start_epoch(self, epoch: int, steps_done: int = 0, examples_done: int = 0) -> None:
         # A resumed epoch: what it did before the checkpoint counted in an earlier process.
@@ -339,4 +357,6 @@ class PrometheusReporter:
             thread.join(timeout=5)
 
     def __repr__(self) -> str:
+        if self.port is None:
+            return f"PrometheusReporter({self._address(self._port)!r}, not started)"
         return f"PrometheusReporter({self.url!r})"

@@ -330,18 +330,21 @@ class Collectives:
             return None
         return [rows[r][: int(lengths[r])].numpy().tobytes() for r in range(self.nranks)]
 
-    def check_agreement(self, label: str, value: str) -> None:
-        """Raise DistributedError on every rank if the ranks hold different ``value`` for ``label``."""
+    def check_agreement(self, label: str, value: str, *, shown: str | None = None) -> None:
+        """Raise DistributedError on every rank if the ranks hold different ``value`` for ``label``.
+
+        ``shown``: how the message names this rank's value (default: ``value`` itself).
+        """
         root_value = self.broadcast_json([value], f"root's {label}")[0]
         agreeing = int(self.sum([float(value == root_value)]).wait()[0])
         if agreeing != self.nranks:
             # Only when they disagree: every rank's value to every rank, so that each names
             # the ranks that differ and what they hold (a gather is one collective more).
-            values = self.gather_json(value, f"ranks' {label}")
-            differing = [f"rank {rank} has {v!r}" for rank, v in enumerate(values) if v != root_value]
+            pairs = self.gather_json([value, value if shown is None else shown], f"ranks' {label}")
+            differing = [f"rank {rank} has {s!r}" for rank, (v, s) in enumerate(pairs) if v != root_value]
             msg = (
                 f"the ranks disagree on {label}: {self.nranks - agreeing} of {self.nranks} differ "
-                f"from rank 0's {root_value!r}: {', '.join(differing[:8])}"
+                f"from rank 0's {pairs[0][1]!r}: {', '.join(differing[:8])}"
                 f"{' ...' if len(differing) > 8 else ''}"
             )
             # Every rank holds the same values: every rank raises this, not the abort it causes.

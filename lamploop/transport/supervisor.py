@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import anyio
 import anyio.abc
 
-from lamploop.errors import TransportError, error_detected_by_every_rank
+from lamploop.errors import TransportError, error_detected_by_every_rank, failure_reason, shortened
 
 __all__ = ["OWN_VERDICT_GRACE_S", "Supervisor"]
 
@@ -135,14 +135,14 @@ class Supervisor:
         """Why the ``who`` leaves, for the Abort sent to its peers; ``exc`` is from :meth:`leave_body`."""
         own = error_detected_by_every_rank(exc)
         if own is not None:  # this side's own verdict, which every rank reaches too
-            return f"the {who} failed: {type(own).__name__}: {own}"[:1000]
+            return failure_reason(who, own)
         if self.failure is not None:
-            return str(self.failure)[:1000]
+            return shortened(str(self.failure))
         if exc is None:
             return f"the {who} closed the channel before Stop"
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             return f"the {who} was cancelled"
-        return f"the {who} failed: {type(exc).__name__}: {exc}"[:1000]
+        return failure_reason(who, exc)
 
     def leave_body(self, exc: BaseException | None) -> BaseException | None:
         """Leave the body's scope; the exception still in flight (``None`` if it was our cancellation)."""

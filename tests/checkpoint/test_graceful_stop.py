@@ -16,6 +16,8 @@ rank's dropout draws continue from its saved RNG state.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
 import sys
@@ -170,5 +172,21 @@ def test_the_followers_that_fit_started_end_by_themselves_after_a_graceful_stop(
             procs.wait_for_file(tmp_path / f"waiting-{rank}.json", 120, alive=["root"])
         root.send_signal(signal.SIGTERM)
         assert procs.wait("root", 60) == 143, procs.logs()
+        assert "a checkpoint was written there" in procs.log("root"), procs.logs()
+    assert (tmp_path / "follower-1.json").exists(), procs.logs()
+
+
+def test_sigterm_to_a_follower_stops_every_rank_and_the_follower_returns(tmp_path: Path) -> None:
+    """reliability.md: a request on any rank is one on every rank; on a follower ``fit`` returns
+    after ``Stop`` (also when the signal reached that follower), the root raises
+    ``TrainingInterrupted`` (143)."""
+    with worker.Processes(tmp_path) as procs:
+        procs.start("root", [sys.executable, str(STOP_WAITING), str(tmp_path), "2", "stalled"])
+        for rank in range(2):
+            procs.wait_for_file(tmp_path / f"waiting-{rank}.json", 120, alive=["root"])
+        follower_pid = json.loads((tmp_path / "waiting-1.json").read_text())["pid"]
+        os.kill(follower_pid, signal.SIGTERM)
+        assert procs.wait("root", 60) == 143, procs.logs()
+        assert "stopped by SIGTERM" in procs.log("root"), procs.logs()
         assert "a checkpoint was written there" in procs.log("root"), procs.logs()
     assert (tmp_path / "follower-1.json").exists(), procs.logs()

@@ -33,18 +33,26 @@ class Metric(Protocol):
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Top-1 accuracy: how many rows of class scores have their largest score at the target class.
+    """Top-1 accuracy: how many of the target's entries have the largest score at their class.
+
+    ``output`` is ``(batch, classes, ...)`` scores and ``target`` ``(batch, ...)`` class indices,
+    as for ``torch.nn.functional.cross_entropy``: with more dimensions (a class per position,
+    e.g. per token or pixel) every position counts as an example, so the result is
+    ``(positions right, positions)`` and its mean the share of positions right.
 
     Raises:
-        ConfigurationError: the output is not ``(batch, classes, ...)`` scores for the target's batch.
+        ConfigurationError: the output is not ``(batch, classes, ...)`` scores for the target's
+            shape.
     """
-    if output.dim() < 2 or output.shape[0] != target.shape[0]:
+    expected = (*output.shape[:1], *output.shape[2:])
+    if output.dim() < 2 or tuple(target.shape) != expected:
         msg = (
-            f"accuracy: the output of shape {tuple(output.shape)} is not (batch, classes) scores for "
-            f"the target of shape {tuple(target.shape)}"
+            f"accuracy: the output of shape {tuple(output.shape)} is not (batch, classes, ...) scores "
+            f"for the target of shape {tuple(target.shape)} (the target must be the output's shape "
+            f"without its class dimension, {expected})"
         )
         raise ConfigurationError(msg)
-    return (output.argmax(dim=1) == target).sum(), int(target.shape[0])
+    return (output.argmax(dim=1) == target).sum(), int(target.numel())
 
 
 class PassResult(float):

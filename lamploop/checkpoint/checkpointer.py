@@ -13,7 +13,7 @@ import anyio.to_thread
 
 from lamploop.checkpoint.extras import CheckpointExtra, capture_extras, check_extras
 from lamploop.checkpoint.rng import RngStates
-from lamploop.checkpoint.save import _check_keep_last, save_checkpoint
+from lamploop.checkpoint.save import check_keep_last, save_checkpoint
 from lamploop.checks import check_directory
 from lamploop.loop.boundary import EpochPosition
 from lamploop.state import LoopStateWithModelAndOptimizerData
@@ -53,7 +53,7 @@ class Checkpointer:
                 name or object is unfit (see :func:`~lamploop.checkpoint.extras.check_extras`),
                 or ``directory`` is not a path or is a file.
         """
-        _check_keep_last(keep_last, "Checkpointer")
+        check_keep_last(keep_last, "Checkpointer")
         self.extras = check_extras("Checkpointer", extras)
         self.directory = check_directory("Checkpointer: directory", directory)
         self.keep_last = keep_last

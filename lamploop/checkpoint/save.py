@@ -54,7 +54,8 @@ from lamploop.strict_json import fsync_dir
 # Saving
 
 
-def _check_keep_last(keep_last: int | None, where: str) -> None:
+def check_keep_last(keep_last: int | None, where: str) -> None:
+    """Raise ConfigurationError (naming ``where``) unless ``keep_last`` is ``None`` or an int >= 1."""
     if keep_last is not None and (
         not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
     ):
@@ -121,7 +122,7 @@ def save_checkpoint(
             f"got {type(state).__qualname__}"
         )
         raise ConfigurationError(msg)
-    _check_keep_last(keep_last, "save_checkpoint")
+    check_keep_last(keep_last, "save_checkpoint")
     epoch = state.loop_state.epoch
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         msg = f"save_checkpoint: state.loop_state.epoch must be an int >= 0, got {epoch!r}"

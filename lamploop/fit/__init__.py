@@ -41,6 +41,7 @@ from lamploop.averaging import Averaging
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.resume import resume_root
+from lamploop.checkpoint.save import check_keep_last
 from lamploop.distributed.drive import OptimizerFactory
 from lamploop.distributed.launch import default_launch_command
 from lamploop.distributed.placement import AUTO_DEVICE, place
@@ -231,6 +232,7 @@ async def fit_async(
         check_selection_metric("fit", settings.model_selection_metric, model)
         check_sharded_strategy("fit", settings)  # before any rank starts
         extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
+        check_keep_last(keep_last, "fit")  # before any reporter starts (the checkpointer checks too late)
         # Place: this process's rank and device.
         placement = place(world_size, device)
         if placement.nranks > 1:  # one rank syncs nothing: its strategy keeps no state

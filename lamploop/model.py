@@ -196,7 +196,8 @@ class SupervisedModel:
 
 
 def check_model(where: str, model: Any, *, trainable: bool = True) -> None:
-    """``model`` must be a :class:`~lamploop.SupervisedModel` (or have its two attributes).
+    """``model`` must be a :class:`~lamploop.SupervisedModel`, or an object with its ``module``
+    (a ``torch.nn.Module``) and its ``loss_sum_and_count`` method.
 
     With ``trainable`` (for a driver, which makes an optimizer) its module must have parameters.
     """

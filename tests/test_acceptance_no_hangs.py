@@ -32,9 +32,9 @@ Notes on what was found (the strict xfails say DEFECT):
   iterable blocks, and prints nothing;
 - ``fit(world_size=2)`` ends its root about 10 s after it lost a follower that does not answer
   (SIGSTOPped, or blocked in its data source), beyond the heartbeat timeout;
-- a follower's message in the root's ``PeerLostError(how="aborted")`` is cut at about 1000
-  characters: after torch's traceback of a DataLoader worker, the user's own message is lost
-  there (it is in the follower's own output).
+- a follower's message in the root's ``PeerLostError(how="aborted")`` was cut at about 1000
+  characters: after torch's traceback of a DataLoader worker, the user's own message was lost
+  there (a long message now keeps its start and its end).
 """
 
 from __future__ import annotations
@@ -285,9 +285,10 @@ def test_a_getitem_exception_on_one_of_two_ranks_with_persistent_workers_ends_ev
         assert (other["error"], other["rank_attr"], other["how"]) == ("PeerLostError", failing, "aborted"), (
             other
         )
-        # The message is cut at about 1000 characters: the type is in it, the user's own
-        # message (after torch's traceback of the worker) may not be (see the module's notes).
+        # A long message keeps its start and its end: the type, and the user's own message
+        # after torch's traceback of the worker.
         assert "InjectedFault" in other["message"], other
+        assert _fault("__getitem__", failing, 1) in other["message"], other
 
 
 # --------------------------------------------------------------------------------------------

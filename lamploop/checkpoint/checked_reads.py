@@ -155,6 +155,12 @@ def _read_tensors(
     return ordered
 
 
+class _DoesNotFit(CheckpointError):
+    """The checkpoint is sound but the given model (or schedule) is not its own: the caller's
+    mismatch, which a fallback to older checkpoints of the same run would only repeat (raised
+    as a plain :class:`CheckpointError` by :func:`~lamploop.checkpoint.load.load_checkpoint`)."""
+
+
 def _structure_schedule_state(
     descriptor: _Descriptor, schedule: LearningRateSchedule[Any], where: pathlib.Path
 ) -> Any:
@@ -171,13 +177,7 @@ def _structure_schedule_state(
         f"{where}: the schedule state (saved as a {descriptor.schedule_state_type}) does not fit "
         f"{type(schedule).__qualname__}, whose state type is {_type_name(target)}: {problem}"
     )
-    raise CheckpointError(msg)
-
-
-class _DoesNotFit(CheckpointError):
-    """The checkpoint is sound but the given model is not its model: the caller's mismatch,
-    which a fallback to older checkpoints of the same run would only repeat (raised as a
-    plain :class:`CheckpointError` by :func:`~lamploop.checkpoint.load.load_checkpoint`)."""
+    raise _DoesNotFit(msg)
 
 
 def _require_fit(file: pathlib.Path, saved: ModelSpec, model: ModelSpec) -> None:

@@ -128,3 +128,19 @@ def test_a_damaged_latest_still_falls_back_with_one_warning(
         load_checkpoint(root, model=_module(16))
     assert str(info.value).startswith(f"{root / 'epoch-000003' / MODEL_FILE}: does not fit"), str(info.value)
     assert _checkpoint_warnings(caplog) == []
+
+
+def test_a_schedule_that_does_not_fit_the_saved_state_raises_once_without_falling_back(
+    run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's checkpoints hold noop's state; a plateau schedule's state is another type: the
+    schedule is the caller's mismatch, as a model that does not fit is."""
+    caplog.set_level(logging.DEBUG, logger="lamploop")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(run, schedule=lamploop.reduce_lr_on_plateau(patience=2))
+    assert type(info.value) is CheckpointError
+    message = str(info.value)
+    assert message.startswith(f"{run / 'epoch-000003' / 'checkpoint.json'}: the schedule state"), message
+    assert "does not fit ReduceLrOnPlateau" in message, message
+    assert _checkpoint_warnings(caplog) == []
+    assert load_checkpoint(run, schedule=lamploop.noop()).path == run / "epoch-000003"

@@ -41,15 +41,19 @@ from lamploop.distributed.network import slurm_first_host, slurm_job_port
 from lamploop.errors import (
     ConfigurationError,
     ControlChannelError,
+    LamploopError,
     PeerLostError,
     TrainingInterrupted,
     exception_leaves,
 )
+from lamploop.loop.stop_aware import StopFlag
+from lamploop.loop.stop_request import SIGNAL_TURNS
 from lamploop.modelspec import ModelSpec
 
 __all__ = [
     "FAILED_FOLLOWER_EXIT_TIMEOUT_S",
     "FOLLOWER_EXIT_TIMEOUT_S",
+    "FollowersEndedByTheStop",
     "LOCAL_HOST",
     "LaunchEnv",
     "default_launch_command",
@@ -318,6 +322,36 @@ class _Ending:
     root_failed: bool = False
     children: dict[int, anyio.CancelScope] = attrs.Factory(dict)
     """Each follower's process, by rank: cancelling its scope kills it."""
+    stop: StopFlag | None = None
+    """This process's stop request (SIGINT, SIGTERM), if it handles them."""
+    joined: Callable[[], Sequence[int]] | None = None
+    """The ranks that joined the root so far (while the root runs)."""
+    ended_by_the_stop: dict[int, str] = attrs.Factory(dict)
+    """The followers that ended before they joined as this process was asked to stop, and how."""
+
+    async def ended_by_a_stop(self, rank: int, how: str) -> bool:
+        """Whether rank ``rank``'s failing exit (``how``) came with this process's stop request.
+
+        A Ctrl-C (or ``kill -- -PGID``) reaches the whole process group: a follower that still
+        starts (importing torch, or in its script's code before ``fit``) cannot handle it yet
+        and dies of it, or of what it broke (an import cut in half).  A follower that never
+        joined and ended while this process was asked to stop is that, not a lost rank.
+        """
+        if self.stop is None or self.joined is None or rank in self.joined():
+            return False
+        for _ in range(SIGNAL_TURNS):  # the same signal may still wait for this loop's handler
+            await anyio.lowlevel.checkpoint()
+        if self.stop.is_set():
+            self.ended_by_the_stop[rank] = how
+            return True
+        return False
+
+    def only_stopped_ranks_lost(self, failure: BaseException) -> bool:
+        """Whether ``failure`` is that of followers the stop request's signal killed, and no other."""
+        if not self.ended_by_the_stop:
+            return False
+        leaves = exception_leaves(failure)
+        return all(isinstance(leaf, PeerLostError) and leaf.rank in self.ended_by_the_stop for leaf in leaves)
 
     def kill_the_frozen(self, failure: BaseException) -> None:
         """Kill the followers that ``failure`` names as silent (frozen: SIGSTOPped, or cut off).
@@ -341,6 +375,7 @@ async def open_root(
     command: Sequence[str] | None = None,
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    stop: StopFlag | None = None,
 ) -> AsyncIterator[tuple[TcpControlRoot | None, str]]:
     """The root's control channel (``None`` alone) and the host its tensor store listens on.
 
@@ -348,6 +383,10 @@ async def open_root(
     launcher's followers look (:func:`open_root_control`); otherwise this process starts
     ranks ``1..nranks-1`` itself (:func:`spawn_followers`, running ``command``) and, once
     the block is left, gives them :data:`FOLLOWER_EXIT_TIMEOUT_S` to exit before they are killed.
+
+    ``stop`` is this process's stop request: a follower that ends before it joined while this
+    process is asked to stop (a Ctrl-C to the group, which kills it as it still imports torch)
+    is no lost rank but the stop; the run then fails with :class:`FollowersEndedByTheStop`.
     """
     if nranks == 1:
         yield None, LOCAL_HOST
@@ -364,7 +403,7 @@ async def open_root(
     token = secrets.token_hex(16)
     stopped: TrainingInterrupted | None = None
     failed: Exception | None = None
-    ending = _Ending()
+    ending = _Ending(stop=stop)
     async with anyio.create_task_group() as followers:
         try:
             async with TcpControlRoot(
@@ -375,7 +414,7 @@ async def open_root(
                 heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout,
             ) as root:
-                ending.lost = root.fail_peer
+                ending.lost, ending.joined = root.fail_peer, root.peers
                 spawn_followers(
                     followers,
                     world_size=nranks,
@@ -396,7 +435,7 @@ async def open_root(
                     ending.root_failed = True
                     raise
                 finally:
-                    ending.lost = None
+                    ending.lost = ending.joined = None
         except Exception as exc:
             # The root failed, and closing its channel told the followers why (a lost rank is
             # named to them): each ends by itself, naming that rank, as a follower that a
@@ -409,9 +448,27 @@ async def open_root(
             # The followers got Stop; give them a bounded time to exit before they are killed.
             followers.cancel_scope.deadline = anyio.current_time() + FOLLOWER_EXIT_TIMEOUT_S
     if failed is not None:
+        if ending.only_stopped_ranks_lost(failed):
+            ended = ", ".join(f"rank {rank} {how}" for rank, how in sorted(ending.ended_by_the_stop.items()))
+            msg = f"{ended} before it joined, as the stop came"
+            raise FollowersEndedByTheStop(msg, ranks=sorted(ending.ended_by_the_stop)) from failed
         raise failed
     if stopped is not None:
         raise stopped
+
+
+class FollowersEndedByTheStop(LamploopError):
+    """Followers this process started ended before they joined, as this process was asked to
+    stop (a SIGINT or SIGTERM to the process group reaches them while they still start): the
+    run stops, no rank is lost.
+
+    Attributes:
+        ranks: those followers.
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 def default_launch_command(world_size: int) -> list[str]:
@@ -479,6 +536,11 @@ async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _E
         how = f"status {result.returncode}"
         if -result.returncode in signal.valid_signals():
             how += f" ({signal.Signals(-result.returncode).name})"
+        if await ending.ended_by_a_stop(rank, f"exited with {how}"):
+            logger.info("rank %d exited with %s before it joined, as this run was asked to stop", rank, how)
+            if ending.lost is not None:  # the root runs: it stops now, not at the join timeout
+                ending.lost(rank, "died", f"exited with {how} as the run was asked to stop: {' '.join(argv)}")
+            return
         if ending.lost is not None:  # the root runs: a lost rank, which it names to every rank
             ending.lost(rank, "died", f"exited with {how}: {' '.join(argv)}")
             return

@@ -25,9 +25,10 @@ from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.resume import Resumed, resume_follower_extras
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
-from lamploop.distributed.launch import open_follower_control, open_root
+from lamploop.distributed.launch import FollowersEndedByTheStop, open_follower_control, open_root
 from lamploop.distributed.placement import Placement
 from lamploop.distributed.rank_extras import SYNC_EXTRA, RankExtras
+from lamploop.errors import TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.stop_request import StopRequest
 from lamploop.model import SupervisedModel
@@ -165,9 +166,27 @@ async def lead(
         return True
 
     async def run() -> LoopState:
+        try:
+            return await drive()
+        except FollowersEndedByTheStop as ended:
+            # A Ctrl-C to the process group while a follower still imported torch: the stop
+            # request it was, not a lost rank.  No rank trained: nothing was written.
+            msg = (
+                f"stopped by {job.stop.reason} before training started ({ended}): nothing was "
+                "written, a checkpoint resumed from is untouched"
+            )
+            epoch = resumed_epoch(resumed)
+            raise TrainingInterrupted(msg, epoch=epoch, steps_done=0, reason=job.stop.reason) from None
+
+    async def drive() -> LoopState:
         async with (
             open_root(
-                placement.env, placement.nranks, model_spec=job.spec, command=launch_command, **job.heartbeat
+                placement.env,
+                placement.nranks,
+                model_spec=job.spec,
+                command=launch_command,
+                stop=job.stop,
+                **job.heartbeat,
             ) as (control, host),
             share_stop_requests(job.stop, control),  # a rank that waits for data hears the others' stops
         ):

@@ -113,7 +113,7 @@ async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version:
         first = await conn.receive()
     except ControlChannelError as exc:
         raise HungUpBeforeChallenge(
-            f"rank {rank}: {exc}, before a challenge: is it a lamploop root?"
+            f"rank {rank}: {conn.peer}: {exc}, before a challenge: is it a lamploop root?"
         ) from exc
     if first is None:
         raise HungUpBeforeChallenge(

@@ -10,6 +10,8 @@ several can live in one process (``local_data_parallel_training_loop``).
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,9 @@ from lamploop.distributed.network import gloo_interface, local_address_towards
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.sync.collectives import Group
 
-__all__ = ["connect_store", "create_store", "new_process_group"]
+__all__ = ["connect_store", "create_store", "new_process_group", "wait_until_listening"]
+
+_PROBE_INTERVAL_S = 0.1
 
 
 def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore, int]:
@@ -38,9 +42,31 @@ def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore,
     return store, int(store.port)
 
 
+def wait_until_listening(host: str, port: int, seconds: float) -> None:
+    """Return once something accepts connections on ``host:port``; :class:`TimeoutError` after ``seconds``.
+
+    torch's ``TCPStore`` client, given a timeout and nothing listening, retries past it (it
+    gave up after 1.7-2.5 times its timeout here, after a random back-off): a plain connection
+    tried first keeps the wait within ``seconds``.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 0.01)):
+                return
+        except OSError as exc:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                msg = f"nothing accepted a connection on {host}:{port} within {seconds:g} s: {exc}"
+                raise TimeoutError(msg) from exc
+            time.sleep(min(_PROBE_INTERVAL_S, remaining))
+
+
 def connect_store(host: str, port: int, nranks: int, timeout: float) -> dist.TCPStore:
-    """A follower's client of the root's store."""
+    """A follower's client of the root's store, within ``timeout`` seconds."""
     try:
+        wait_until_listening(host, port, timeout)
         return dist.TCPStore(host, port, nranks, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, OSError) as exc:
         msg = f"cannot reach the root's store at {host}:{port}: {exc}"

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, LamploopError
 from lamploop.federated.plan import ModelDescription, OptimizerConfig, TrainingPlan
 from lamploop.metrics import accuracy
 from lamploop.model import SupervisedModel, cross_entropy_loss, mse_loss
@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 ModelBuilder: TypeAlias = Callable[[Mapping[str, Any]], torch.nn.Module]
-"""Builds a module from a plan's model options."""
+"""Builds a module from a plan's model options; refuses options it cannot build with a
+``ValueError``, ``TypeError`` or ``KeyError`` (:func:`build_model` names them in a
+``ConfigurationError``) or a ``ConfigurationError`` of its own."""
 
 ModelBuilders: TypeAlias = Mapping[str, ModelBuilder]
 """Architecture name -> builder."""
@@ -103,7 +105,16 @@ def build_model(description: ModelDescription, builders: ModelBuilders | None = 
         known = ", ".join(sorted(registry))
         msg = f"architecture {description.architecture!r} is not known here (known: {known})"
         raise ConfigurationError(msg)
-    module = builder(description.options)
+    try:
+        module = builder(description.options)
+    except LamploopError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:  # how a builder says the options are not its
+        msg = (
+            f"the builder of {description.architecture!r} refused the plan's options "
+            f"{dict(description.options)!r:.200}: {type(exc).__name__}: {exc}"
+        )
+        raise ConfigurationError(msg) from exc
     if not isinstance(module, torch.nn.Module):
         got = type(module).__name__
         msg = f"the builder of {description.architecture!r} returned {got}, not a torch.nn.Module"

@@ -202,7 +202,8 @@ async def _serve(
             with anyio.move_on_after(config.idle_timeout) as idle:
                 message = await link.receive()
             if idle.cancelled_caught:
-                msg = f"node {trainer.name!r}: no message from the aggregator for {config.idle_timeout:g} s"
+                silent = f"no message from the aggregator at {link.peer} for {config.idle_timeout:g} s"
+                msg = f"node {trainer.name!r}: {silent} (frozen, cut off, or stuck)"
                 raise FederatedError(msg)
         except TransportError as exc:
             logger.warning("node %s: %s", trainer.name, exc)

@@ -21,7 +21,9 @@ import attrs
 import torch.distributed as dist
 
 from lamploop.checks import check_int, check_seconds
+from lamploop.distributed.process_group import wait_until_listening
 from lamploop.errors import ConfigurationError, DistributedError
+from lamploop.transport.settings import check_int_in
 
 __all__ = ["DEFAULT_PIPELINE_TIMEOUT_S", "PipelineGroup", "open_pipeline_group"]
 
@@ -83,7 +85,7 @@ def open_pipeline_group(
     if rank >= world_size:
         msg = f"open_pipeline_group: rank must be in 0..{world_size - 1}, got {rank}"
         raise ConfigurationError(msg)
-    check_int("open_pipeline_group: port", port, 1)
+    check_int_in("open_pipeline_group: port", port, 1, 65535)
     seconds = check_seconds("open_pipeline_group: timeout", timeout)
     if join_timeout is None:
         join_seconds = max(seconds, DEFAULT_PIPELINE_TIMEOUT_S)
@@ -97,6 +99,8 @@ def open_pipeline_group(
         raise ConfigurationError(msg)
     joining = datetime.timedelta(seconds=join_seconds)
     try:
+        if rank > 0:  # torch's client overruns its timeout when nothing listens
+            wait_until_listening(host, port, join_seconds)
         store = dist.TCPStore(
             host, port, world_size, is_master=rank == 0, timeout=joining, wait_for_workers=False
         )

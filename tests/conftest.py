@@ -49,6 +49,7 @@ SOAK_MODULES = frozenset(
         "test_acceptance_docs_launch",
         "test_acceptance_docs_reliability",
         "test_acceptance_no_hangs",
+        "test_acceptance_no_hangs_r2",
         "test_graceful_stop",
         "test_multinode",
         "test_sigkills",
@@ -56,8 +57,9 @@ SOAK_MODULES = frozenset(
     }
 )
 """The fault scenarios ``nox -s stress`` runs apart (the module docstring); 800 s of the parallel
-phase's 2,600 s of test time (its workers' sum, 2026-11-29), and the 110 s of the faults whose
-process must end (test_acceptance_no_hangs)."""
+phase's 2,600 s of test time (its workers' sum, 2026-11-29), and the faults whose process must
+end (test_acceptance_no_hangs: 110 s; its second round, federated runs, pipelines, the CLI and
+the control channel: 4-5 minutes alone)."""
 
 
 SLOWEST_MODULES = (

@@ -50,16 +50,22 @@ SOAK_MODULES = frozenset(
         "test_acceptance_docs_reliability",
         "test_acceptance_no_hangs",
         "test_acceptance_no_hangs_r2",
+        "test_follower_failures",
         "test_graceful_stop",
         "test_multinode",
         "test_sigkills",
+        "test_stop_dataloader",
+        "test_stream_resume",
         "test_terminal",
     }
 )
 """The fault scenarios ``nox -s stress`` runs apart (the module docstring); 800 s of the parallel
 phase's 2,600 s of test time (its workers' sum, 2026-11-29), and the faults whose process must
 end (test_acceptance_no_hangs: 110 s; its second round, federated runs, pipelines, the CLI and
-the control channel: 4-5 minutes alone)."""
+the control channel: 4-5 minutes alone).  With the signals to DataLoader workers
+(test_stop_dataloader), the SIGKILLed stream trainer (test_stream_resume) and the followers that
+fail as they start (test_follower_failures), 140 s more of the suite's 1,650 s of test time
+(2026-11-29), whose wall time had reached 10:24 on 3 workers."""
 
 
 SLOWEST_MODULES = (

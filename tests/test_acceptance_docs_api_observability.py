@@ -1356,6 +1356,9 @@ if rank == 0:
         res["aborted"] = err(e) | {"wait_aborted": isinstance(e, WaitAborted)}
     res["aborted_seconds"] = time.monotonic() - t0
     store.set("faults_done", "1")
+    # Rank 0 holds the store: it leaves only once rank 1 has seen the key (else rank 1's wait
+    # can find the store gone: "Failed to recv, got 0 bytes", once on a loaded machine).
+    store.wait(["faults_seen"], timedelta(seconds=40))
 else:
     class Probe:
         name = "acceptance_probe"
@@ -1385,6 +1388,7 @@ else:
     reg["settings"] = TrainingSettings(strategy="acceptance_probe").strategy
     res["registry"] = reg
     store.wait(["faults_done"], timedelta(seconds=40))
+    store.set("faults_seen", "1")
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(res, f)
 sys.stdout.flush()

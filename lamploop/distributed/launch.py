@@ -347,7 +347,8 @@ class _Ending:
         return False
 
     def only_stopped_ranks_lost(self, failure: BaseException) -> bool:
-        """Whether ``failure`` is that of followers the stop request's signal killed, and no other."""
+        """Whether ``failure`` is only that of followers that ended with the stop request
+        (:meth:`ended_by_a_stop`)."""
         if not self.ended_by_the_stop:
             return False
         leaves = exception_leaves(failure)

@@ -10,7 +10,6 @@ several can live in one process (``local_data_parallel_training_loop``).
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 
 import torch
@@ -20,9 +19,12 @@ from lamploop.distributed.network import gloo_interface, local_address_towards
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.sync.collectives import Group
 
-__all__ = ["connect_store", "create_store", "new_process_group", "wait_until_listening"]
+__all__ = ["client_of_store", "connect_store", "create_store", "new_process_group"]
 
-_PROBE_INTERVAL_S = 0.1
+_TRIES_LEFT_SHARE = 3.0
+"""A try of torch's store client gets the time left divided by this (it overruns by up to 2.5 times)."""
+
+_SHORTEST_TRY_S = 0.1
 
 
 def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore, int]:
@@ -42,32 +44,36 @@ def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore,
     return store, int(store.port)
 
 
-def wait_until_listening(host: str, port: int, seconds: float) -> None:
-    """Return once something accepts connections on ``host:port``; :class:`TimeoutError` after ``seconds``.
+def client_of_store(host: str, port: int, nranks: int, seconds: float) -> dist.TCPStore:
+    """A client of the ``TCPStore`` on ``host:port``, given up within about ``seconds``.
 
-    torch's ``TCPStore`` client, given a timeout and nothing listening, retries past it (it
-    gave up after 1.7-2.5 times its timeout here, after a random back-off): a plain connection
-    tried first keeps the wait within ``seconds``.
+    torch's client, given a timeout and nothing listening, retries past it (it gave up after
+    1.7-2.5 times its timeout here, after a random back-off): it is tried with a third of the
+    time left, again until ``seconds`` are spent.  The client then waits up to ``seconds`` in
+    the store's own operations.
+
+    Raises:
+        RuntimeError: (torch's ``DistNetworkError``, ``DistStoreError``) the store was not
+            reached in time; the last try's error.
     """
     deadline = time.monotonic() + seconds
     while True:
-        remaining = deadline - time.monotonic()
+        left = deadline - time.monotonic()
+        share = datetime.timedelta(seconds=max(left / _TRIES_LEFT_SHARE, _SHORTEST_TRY_S))
         try:
-            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 0.01)):
-                return
-        except OSError as exc:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                msg = f"nothing accepted a connection on {host}:{port} within {seconds:g} s: {exc}"
-                raise TimeoutError(msg) from exc
-            time.sleep(min(_PROBE_INTERVAL_S, remaining))
+            store = dist.TCPStore(host, port, nranks, is_master=False, timeout=share)
+        except (RuntimeError, OSError):
+            if deadline - time.monotonic() <= _SHORTEST_TRY_S:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=seconds))
+        return store
 
 
 def connect_store(host: str, port: int, nranks: int, timeout: float) -> dist.TCPStore:
-    """A follower's client of the root's store, within ``timeout`` seconds."""
+    """A follower's client of the root's store, within about ``timeout`` seconds."""
     try:
-        wait_until_listening(host, port, timeout)
-        return dist.TCPStore(host, port, nranks, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        return client_of_store(host, port, nranks, timeout)
     except (RuntimeError, OSError) as exc:
         msg = f"cannot reach the root's store at {host}:{port}: {exc}"
         raise DistributedError(msg) from exc

@@ -21,7 +21,7 @@ import attrs
 import torch.distributed as dist
 
 from lamploop.checks import check_int, check_seconds
-from lamploop.distributed.process_group import wait_until_listening
+from lamploop.distributed.process_group import client_of_store
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.transport.settings import check_int_in
 
@@ -99,11 +99,12 @@ def open_pipeline_group(
         raise ConfigurationError(msg)
     joining = datetime.timedelta(seconds=join_seconds)
     try:
-        if rank > 0:  # torch's client overruns its timeout when nothing listens
-            wait_until_listening(host, port, join_seconds)
-        store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=joining, wait_for_workers=False
-        )
+        if rank == 0:
+            store = dist.TCPStore(
+                host, port, world_size, is_master=True, timeout=joining, wait_for_workers=False
+            )
+        else:  # torch's own client overruns its timeout when nothing listens
+            store = client_of_store(host, port, world_size, join_seconds)
     except (RuntimeError, OSError) as exc:
         what = "open its store on" if rank == 0 else "reach rank 0's store at"
         msg = f"pipeline rank {rank}: cannot {what} {host}:{port}: {exc}"

@@ -3,8 +3,8 @@
 torch's ``TCPStore`` client, given a timeout and nothing listening, retried past it (1.7-2.5
 times the timeout on this machine, after a random back-off): ``client_of_store`` tries it with
 a share of the time left, so the timeout is the bound a user set.  (A first version probed the
-port with plain connections; on a loaded machine one probe of a port in the ephemeral range
-connected to itself and kept the port from the store's server: EADDRINUSE in CI.)
+port with plain connections every 0.1 s; in one CI run rank 0's store then found its port in
+use, EADDRINUSE, most likely a probe of a port in the ephemeral range that connected to itself.)
 """
 
 from __future__ import annotations

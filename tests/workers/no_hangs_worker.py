@@ -62,6 +62,13 @@ class InjectedFault(RuntimeError):
     """The fault a scenario injects (its name and message are what the test looks for)."""
 
 
+def _stamp(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: the test polls for the file, then reads it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def fault_message(where: str, rank: int, epoch: int | None) -> str:
     return f"injected fault in {where} on rank {rank} in epoch {epoch}"
 
@@ -227,7 +234,7 @@ class Fault:
         how = self.spec.get("how", "raise")
         message = fault_message(where, self.rank, self.spec.get("epoch"))
         at = time.time()
-        (self.out / f"struck-rank{self.rank}").write_text(repr(at))
+        _stamp((self.out / f"struck-rank{self.rank}"), repr(at))
         print(f"[rank {self.rank}] striking: {how} in {where} at {at:.3f}", file=sys.stderr, flush=True)
         if how == "raise":
             raise InjectedFault(message)
@@ -331,7 +338,7 @@ def slow_source_factory(fault: Fault) -> lamploop.BatchStreamFactory:
         fault.epoch = context.epoch
         for i in range(context.rank, N_EXAMPLES // BATCH, context.nranks):
             if context.epoch == 1 and context.rank == fault.spec["slow_source_rank"]:
-                (fault.out / f"slow-source-rank{context.rank}").write_text(str(time.time()))
+                _stamp((fault.out / f"slow-source-rank{context.rank}"), str(time.time()))
                 time.sleep(SLOW_SOURCE_S)
             yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
@@ -488,7 +495,7 @@ def dataloader_fit(spec: dict[str, Any], rank: int, out: Path, *, fail: bool = T
     marker = out / f"epoch-rank{rank}"
 
     def factory(context: BatchContext) -> Any:
-        marker.write_text(str(context.epoch))
+        _stamp(marker, str(context.epoch))
         fault.epoch = context.epoch
         return inner(context)
 
@@ -623,7 +630,7 @@ async def buffer_ranks(spec: dict[str, Any], rank: int, out: Path) -> Any:
             made = 0
             while True:
                 if rank == 1:
-                    waiting.write_text(str(time.time()))
+                    _stamp(waiting, str(time.time()))
                 if rank == 0 and made == 1:
                     await until_exists(waiting)
                     await anyio.sleep(0.3)
@@ -708,7 +715,7 @@ def run(name: str, rank: int, out: Path, argv: list[str]) -> Any:
                 save_record(error_record(exc), out / "first-run")
             else:
                 raise AssertionError("the first fit did not fail")
-            (out / "second-run").write_text("1")
+            _stamp((out / "second-run"), "1")
             second = True
         clean = {**spec, "where": None}
         state = fit_with_fault(clean if second else spec, rank, out, suffix="-second" if second else "")
@@ -738,7 +745,7 @@ def main() -> int:
     name, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ.get("LAMPLOOP_RANK", "0"))
     role = "producer" if SCENARIOS[name].get("kind") == "stream-producer" else f"rank{rank}"
-    (out / f"pid-{role}").write_text(str(os.getpid()))
+    _stamp((out / f"pid-{role}"), str(os.getpid()))
     torch.set_num_threads(1)
     try:
         result = run(name, rank, out, sys.argv[3:])

@@ -187,11 +187,12 @@ def _load_or_fall_back(
     *,
     whole: bool,
 ) -> Checkpoint:
-    """:func:`_load` past its argument checks; a model that does not fit is raised at once.
+    """:func:`_load` past its argument checks; a model (or schedule) that does not fit is raised at once.
 
-    A checkpoint that does not fit ``model`` is sound: the model is not the run's, and the
-    older checkpoints of the run are of the same model, so falling back would warn once for
-    each and end in the same error (or load an older checkpoint of another model).
+    A checkpoint that does not fit ``model`` or ``schedule`` is sound: they are not the run's,
+    and the older checkpoints of the run are of the same model and schedule, so falling back
+    would warn once for each and end in the same error (or load an older checkpoint of another
+    model).
     """
     directory = resolve_checkpoint(path)
     if directory == pathlib.Path(path):  # a checkpoint named explicitly: no fallback

@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: ``workers.records`` from tests/
     sys.path.insert(0, str(HERE.parent))
 
-from workers.records import save_record  # noqa: E402
+from workers.records import save_record, write_whole  # noqa: E402
 
 TOKEN = "no-hangs-r2-token-0123456789abcdef"
 FEATURES = 5
@@ -63,13 +63,6 @@ class InjectedFault(RuntimeError):
     """The fault a scenario injects (its name and message are what the tests look for)."""
 
 
-def _stamp(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: the test polls for the file, then reads it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def fault_message(where: str, who: str, when: str) -> str:
     return f"injected fault in {where} on {who} in {when}"
 
@@ -77,7 +70,7 @@ def fault_message(where: str, who: str, when: str) -> str:
 def strike(how: str, out: Path, name: str, message: str) -> None:
     """The fault itself: ``sigkill``, ``sigstop`` (returns once continued) or ``raise``."""
     at = time.time()
-    _stamp((out / f"struck-{name}"), repr(at))
+    write_whole((out / f"struck-{name}"), repr(at))
     print(f"[{name}] striking: {how} at {at:.3f}", file=sys.stderr, flush=True)
     if how == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -148,7 +141,7 @@ async def fed_aggregator(out: Path, name: str, config: dict[str, Any]) -> Any:
         os.replace(tmp, out / f"port-{name}")
 
     def on_round(record: Any) -> None:
-        _stamp((out / f"round-{record.round}-{name}"), repr(time.time()))
+        write_whole((out / f"round-{record.round}-{name}"), repr(time.time()))
         if fault is not None and record.round == fault_round:
             strike(fault, out, name, fault_message("on_round", name, f"round {record.round}"))
 
@@ -192,13 +185,13 @@ async def fed_node(out: Path, name: str, config: dict[str, Any]) -> Any:
                 if fault is not None and made == 1 and context.epoch == fault_round and not struck:
                     message = fault_message("local training", name, f"round {context.epoch}")
                     if fault == "slow":  # a data source that stalls (a network read), then comes
-                        _stamp((out / f"struck-{name}"), repr(time.time()))
+                        write_whole((out / f"struck-{name}"), repr(time.time()))
                         await anyio.sleep(float(config["slow_s"]))
                     else:
                         strike(fault, out, name, message)
                 made += 1
                 yield batch
-            _stamp((out / f"trained-{context.epoch}-{name}"), repr(time.time()))
+            write_whole((out / f"trained-{context.epoch}-{name}"), repr(time.time()))
 
         return stream()
 
@@ -306,7 +299,7 @@ def pipe_stage(out: Path, name: str, config: dict[str, Any]) -> Any:
         timeout=float(config["timeout"]),
         join_timeout=float(config.get("join_timeout", 60.0)),
     ):
-        _stamp((out / f"joined-{name}"), repr(time.time()))
+        write_whole((out / f"joined-{name}"), repr(time.time()))
         state = anyio.run(
             partial(
                 train_pipeline,
@@ -345,7 +338,7 @@ async def control_root(out: Path, name: str, config: dict[str, Any]) -> Any:
         tmp.write_text(json.dumps(list(root.address)))
         os.replace(tmp, out / f"address-{name}")
         await root.on_rendezvous_ready(Rendezvous(host="127.0.0.1", port=29999))
-        _stamp((out / f"joined-{name}"), repr(time.time()))
+        write_whole((out / f"joined-{name}"), repr(time.time()))
         await root.broadcast(Train(epoch=0, lr_factor=1.0))
         await root.broadcast(Valid(epoch=0))
         with anyio.move_on_after(40):
@@ -354,7 +347,7 @@ async def control_root(out: Path, name: str, config: dict[str, Any]) -> Any:
         refusals = list(root.recent_refusals)
         await root.broadcast(Stop(reason="done"))
         peers = list(root.peers())
-    _stamp((out / f"left-{name}"), repr(time.time()))
+    write_whole((out / f"left-{name}"), repr(time.time()))
     return {"peers": peers, "refusals": refusals}
 
 
@@ -374,7 +367,7 @@ async def control_follower(out: Path, name: str, config: dict[str, Any]) -> Any:
     seen = []
     async with follower:
         rendezvous, commands = await follower.join()
-        _stamp((out / f"joined-{name}"), repr(time.time()))
+        write_whole((out / f"joined-{name}"), repr(time.time()))
         seen.append(type(rendezvous).__name__)
         async for command in commands:
             seen.append(type(command).__name__)
@@ -400,7 +393,7 @@ def run(role: str, out: Path, name: str, config: dict[str, Any]) -> Any:
 
 def main() -> int:
     role, out, name, config = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
-    _stamp((out / f"pid-{name}"), str(os.getpid()))
+    write_whole((out / f"pid-{name}"), str(os.getpid()))
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(name)s: %(message)s")
     try:

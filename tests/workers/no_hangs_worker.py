@@ -47,7 +47,7 @@ if str(HERE.parent) not in sys.path:  # run as a script: ``workers.records`` fro
 
 import lamploop  # noqa: E402
 from lamploop.batches import BatchContext  # noqa: E402
-from workers.records import save_record  # noqa: E402
+from workers.records import save_record, write_whole  # noqa: E402
 
 N_EXAMPLES = 32
 FEATURES = 4
@@ -60,13 +60,6 @@ HEARTBEAT_TIMEOUT_S = 1.0
 
 class InjectedFault(RuntimeError):
     """The fault a scenario injects (its name and message are what the test looks for)."""
-
-
-def _stamp(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: the test polls for the file, then reads it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def fault_message(where: str, rank: int, epoch: int | None) -> str:
@@ -234,7 +227,7 @@ class Fault:
         how = self.spec.get("how", "raise")
         message = fault_message(where, self.rank, self.spec.get("epoch"))
         at = time.time()
-        _stamp((self.out / f"struck-rank{self.rank}"), repr(at))
+        write_whole((self.out / f"struck-rank{self.rank}"), repr(at))
         print(f"[rank {self.rank}] striking: {how} in {where} at {at:.3f}", file=sys.stderr, flush=True)
         if how == "raise":
             raise InjectedFault(message)
@@ -338,7 +331,7 @@ def slow_source_factory(fault: Fault) -> lamploop.BatchStreamFactory:
         fault.epoch = context.epoch
         for i in range(context.rank, N_EXAMPLES // BATCH, context.nranks):
             if context.epoch == 1 and context.rank == fault.spec["slow_source_rank"]:
-                _stamp((fault.out / f"slow-source-rank{context.rank}"), str(time.time()))
+                write_whole((fault.out / f"slow-source-rank{context.rank}"), str(time.time()))
                 time.sleep(SLOW_SOURCE_S)
             yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
 
@@ -495,7 +488,7 @@ def dataloader_fit(spec: dict[str, Any], rank: int, out: Path, *, fail: bool = T
     marker = out / f"epoch-rank{rank}"
 
     def factory(context: BatchContext) -> Any:
-        _stamp(marker, str(context.epoch))
+        write_whole(marker, str(context.epoch))
         fault.epoch = context.epoch
         return inner(context)
 
@@ -630,7 +623,7 @@ async def buffer_ranks(spec: dict[str, Any], rank: int, out: Path) -> Any:
             made = 0
             while True:
                 if rank == 1:
-                    _stamp(waiting, str(time.time()))
+                    write_whole(waiting, str(time.time()))
                 if rank == 0 and made == 1:
                     await until_exists(waiting)
                     await anyio.sleep(0.3)
@@ -715,7 +708,7 @@ def run(name: str, rank: int, out: Path, argv: list[str]) -> Any:
                 save_record(error_record(exc), out / "first-run")
             else:
                 raise AssertionError("the first fit did not fail")
-            _stamp((out / "second-run"), "1")
+            write_whole((out / "second-run"), "1")
             second = True
         clean = {**spec, "where": None}
         state = fit_with_fault(clean if second else spec, rank, out, suffix="-second" if second else "")
@@ -745,7 +738,7 @@ def main() -> int:
     name, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ.get("LAMPLOOP_RANK", "0"))
     role = "producer" if SCENARIOS[name].get("kind") == "stream-producer" else f"rank{rank}"
-    _stamp((out / f"pid-{role}"), str(os.getpid()))
+    write_whole((out / f"pid-{role}"), str(os.getpid()))
     torch.set_num_threads(1)
     try:
         result = run(name, rank, out, sys.argv[3:])

@@ -9,6 +9,7 @@ A :class:`lamploop.LoopState` goes through :data:`lamploop.state.converter` firs
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from lamploop.checkpoint.codec import decode_tree, encode_tree
 
-__all__ = ["load_record", "save_record"]
+__all__ = ["load_record", "save_record", "write_whole"]
 
 
 def save_record(value: Any, path: str | Path) -> None:
@@ -32,3 +33,11 @@ def save_record(value: Any, path: str | Path) -> None:
 def load_record(path: str | Path) -> Any:
     """The value :func:`save_record` wrote to ``path``."""
     return decode_tree(json.loads(Path(path).read_text()), load_file(f"{path}.safetensors"), str(path))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary name, then a rename): the test
+    polls for the file, then reads it."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)

@@ -30,6 +30,10 @@ from lamploop.settings import TrainingSettings
 from lamploop.state import LoopState, LoopStateWithModelAndOptimizerData
 from lamploop.sync.group_channel import ProcessGroupChannel
 
+# How long the root waits for the control channel to name a stop request it heard in a pass's
+# sum: a follower passes its request on within a poll (0.1 s) and a send.
+_REASON_WAIT_S = 5.0
+
 __all__ = ["CheckpointPosition", "RootEpochs"]
 
 
@@ -180,7 +184,7 @@ class RootEpochs:
         try:
             return await self.replica.train(self.next_epoch, lr_factor)
         except EpochStopped as stopped:
-            reason = self._stop_reason()
+            reason = await self._stop_reason()
             steps = stopped.progress.steps_done
             saved = ""
             if self.checkpoint_position is not None:
@@ -192,9 +196,14 @@ class RootEpochs:
             msg = f"stopped by {reason} at epoch {self.next_epoch} after step {steps}{saved}"
             raise TrainingInterrupted(msg, epoch=self.next_epoch, steps_done=steps, reason=reason) from None
 
-    def _stop_reason(self) -> str:
-        """What asked for the stop; a request heard only in the ranks' sum has no name here."""
+    async def _stop_reason(self) -> str:
+        """What asked for the stop.  A request heard only in a pass's sum (another rank's, near the
+        end of a validation pass) has no name here yet: the control channel brings it a little
+        later, so wait for it a bounded while."""
         reason = self.replica.boundary.stop_reason if self.replica.boundary is not None else ""
+        if not reason and self.control is not None:
+            with anyio.move_on_after(_REASON_WAIT_S):
+                reason = await self.control.wait_for_stop_request()
         return reason or "a request on another rank"
 
     async def validate(self) -> float:
@@ -204,7 +213,7 @@ class RootEpochs:
             loss = await self.replica.validate(self.next_epoch)
         except ValidationStopped as stopped:
             if stopped.result is None:  # a part of the validation batches: no epoch's end
-                epoch, reason = self.next_epoch, self._stop_reason()
+                epoch, reason = self.next_epoch, await self._stop_reason()
                 msg = (
                     f"stopped by {reason} during the validation of epoch {epoch}, which was cut short "
                     "and discarded: the epoch is not finished and no checkpoint of its end was written; "
@@ -244,11 +253,11 @@ class RootEpochs:
                 data = attrs.evolve(data, model={})
             await self.checkpoint_state(data, schedule_state)
         if self.stop_after_epoch and state.epoch < self.max_epochs:  # at the last epoch: the run is done
-            self._stop_at_epoch_end(state.epoch - 1)
+            await self._stop_at_epoch_end(state.epoch - 1)
 
-    def _stop_at_epoch_end(self, epoch: int) -> None:
+    async def _stop_at_epoch_end(self, epoch: int) -> None:
         """A stop requested during the validation of ``epoch``: the run ends at the epoch's end."""
-        reason = self._stop_reason()
+        reason = await self._stop_reason()
         saved = ""
         if self.checkpoint_position is not None:
             # A sharded model's checkpoint is written with the followers, at the Stop that follows.

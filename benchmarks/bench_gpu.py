@@ -123,128 +123,133 @@ def main(argv: list[str] | None = None) -> int:
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group(backend, store=dist.PrefixStore("ddp", store), rank=0, world_size=1)
-    group = new_process_group(store, rank=0, nranks=1, device=device, timeout=60, prefix="lamploop")
-    device_ids = None if on_cpu else [0]
+    try:  # the process group is destroyed also when a measurement fails
+        group = new_process_group(store, rank=0, nranks=1, device=device, timeout=60, prefix="lamploop")
+        device_ids = None if on_cpu else [0]
 
-    async def stream() -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in batches:
-            yield batch
+        async def stream() -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+            for batch in batches:
+                yield batch
 
-    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        module = copy.deepcopy(base)
-        return module, torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
+        def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            module = copy.deepcopy(base)
+            return module, torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
 
-    # Everything built here, before any timing; a variant's call is one epoch and nothing else.
-    hand_module, hand_opt = fresh()
-    single_module, single_opt = fresh()
-    single_model = lamploop.SupervisedModel(single_module)
-    nccl_module, nccl_opt = fresh()
-    nccl_model = lamploop.SupervisedModel(nccl_module)
-    channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=device)
-    ddp_module, _ = fresh()
-    ddp = DistributedDataParallel(ddp_module, device_ids=device_ids)
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    tuned_module, _ = fresh()
-    tuned = DistributedDataParallel(
-        tuned_module,
-        device_ids=device_ids,
-        process_group=dist.new_group(backend=backend),
-        gradient_as_bucket_view=True,
-        static_graph=True,
-    )
-    tuned_opt = torch.optim.SGD(tuned.parameters(), lr=1e-3, momentum=0.9)
-    # The fsdp section: lamploop's FullyShard and PyTorch's FSDP2 by hand, one rank each
-    # (left out, with the reason printed, where this torch's FSDP2 lacks what FullyShard needs).
-    from torch.distributed.fsdp import fully_shard
-
-    fsdp_variants: dict[str, Callable[[], Any]] = {}
-    fsdp_channel: ProcessGroupChannel | None = None
-    try:
-        check_fsdp2_api("bench_gpu")
-    except ConfigurationError as error:
-        print(f"the fsdp section is left out: {error}")
-    else:
-        fsdp_module, _ = fresh()
-        fsdp_strategy = FullyShard()
-        fsdp_strategy.shard(Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_module)
-        fsdp_opt = torch.optim.SGD(fsdp_module.parameters(), lr=1e-3, momentum=0.9)
-        fsdp_model = lamploop.SupervisedModel(fsdp_module)
-        fsdp_channel = ProcessGroupChannel(
-            Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_strategy
+        # Everything built here, before any timing; a variant's call is one epoch and nothing else.
+        hand_module, hand_opt = fresh()
+        single_module, single_opt = fresh()
+        single_model = lamploop.SupervisedModel(single_module)
+        nccl_module, nccl_opt = fresh()
+        nccl_model = lamploop.SupervisedModel(nccl_module)
+        channel = ProcessGroupChannel.of_group(group, rank=0, nranks=1, device=device)
+        ddp_module, _ = fresh()
+        ddp = DistributedDataParallel(ddp_module, device_ids=device_ids)
+        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+        tuned_module, _ = fresh()
+        tuned = DistributedDataParallel(
+            tuned_module,
+            device_ids=device_ids,
+            process_group=dist.new_group(backend=backend),
+            gradient_as_bucket_view=True,
+            static_graph=True,
         )
-        hand_fsdp, _ = fresh()
-        for layer in hand_fsdp.modules():
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(hand_fsdp)
-        hand_fsdp_opt = torch.optim.SGD(hand_fsdp.parameters(), lr=1e-3, momentum=0.9)
-        fsdp_variants = {
-            "lamploop-fsdp1": lambda: lamploop_epoch(fsdp_model, fsdp_opt, channel=fsdp_channel),
-            "hand-fsdp1": lambda: hand_epoch(hand_fsdp, hand_fsdp_opt, batches),
+        tuned_opt = torch.optim.SGD(tuned.parameters(), lr=1e-3, momentum=0.9)
+        # The fsdp section: lamploop's FullyShard and PyTorch's FSDP2 by hand, one rank each
+        # (left out, with the reason printed, where this torch's FSDP2 lacks what FullyShard needs).
+        from torch.distributed.fsdp import fully_shard
+
+        fsdp_variants: dict[str, Callable[[], Any]] = {}
+        fsdp_channel: ProcessGroupChannel | None = None
+        try:
+            check_fsdp2_api("bench_gpu")
+        except ConfigurationError as error:
+            print(f"the fsdp section is left out: {error}")
+        else:
+            fsdp_module, _ = fresh()
+            fsdp_strategy = FullyShard()
+            fsdp_strategy.shard(Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_module)
+            fsdp_opt = torch.optim.SGD(fsdp_module.parameters(), lr=1e-3, momentum=0.9)
+            fsdp_model = lamploop.SupervisedModel(fsdp_module)
+            fsdp_channel = ProcessGroupChannel(
+                Collectives(group, rank=0, nranks=1, device=device, timeout=60), fsdp_strategy
+            )
+            hand_fsdp, _ = fresh()
+            for layer in hand_fsdp.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(hand_fsdp)
+            hand_fsdp_opt = torch.optim.SGD(hand_fsdp.parameters(), lr=1e-3, momentum=0.9)
+            fsdp_variants = {
+                "lamploop-fsdp1": lambda: lamploop_epoch(fsdp_model, fsdp_opt, channel=fsdp_channel),
+                "hand-fsdp1": lambda: hand_epoch(hand_fsdp, hand_fsdp_opt, batches),
+            }
+
+        def lamploop_epoch(
+            model: lamploop.SupervisedModel, opt: torch.optim.Optimizer, **channel_: Any
+        ) -> None:
+            anyio.run(
+                lambda: lamploop.one_epoch(model=model, batches=stream(), step_optimizer=opt.step, **channel_)
+            )
+
+        variants: dict[str, Callable[[], Any]] = {
+            "hand": lambda: hand_epoch(hand_module, hand_opt, batches),
+            "lamploop": lambda: lamploop_epoch(single_model, single_opt),
+            "lamploop-nccl1": lambda: lamploop_epoch(nccl_model, nccl_opt, channel=channel),
+            "ddp-nccl1": lambda: hand_epoch(ddp, ddp_opt, batches),
+            "ddp-nccl1 tuned": lambda: hand_epoch(tuned, tuned_opt, batches),
+            **fsdp_variants,
         }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        load_start = list(os.getloadavg())
+        for r in range(rounds + 1):
+            names = list(variants)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                sync()
+                start = time.perf_counter()
+                variants[name]()
+                sync()
+                if r > 0:  # round 0 warms up
+                    times[name].append((time.perf_counter() - start) / steps)
+        channel.close()
+        if fsdp_channel is not None:
+            fsdp_channel.close()
+        load_end = list(os.getloadavg())
 
-    def lamploop_epoch(model: lamploop.SupervisedModel, opt: torch.optim.Optimizer, **channel_: Any) -> None:
-        anyio.run(
-            lambda: lamploop.one_epoch(model=model, batches=stream(), step_optimizer=opt.step, **channel_)
+        what = "CPU (a check of the script, not a GPU figure)" if on_cpu else torch.cuda.get_device_name(0)
+        print(
+            f"{what}, MLP {n_params / 1e6:.1f}M params, batch 256, "
+            f"{steps} steps x {rounds} rounds (+1 warm-up)"
         )
-
-    variants: dict[str, Callable[[], Any]] = {
-        "hand": lambda: hand_epoch(hand_module, hand_opt, batches),
-        "lamploop": lambda: lamploop_epoch(single_model, single_opt),
-        "lamploop-nccl1": lambda: lamploop_epoch(nccl_model, nccl_opt, channel=channel),
-        "ddp-nccl1": lambda: hand_epoch(ddp, ddp_opt, batches),
-        "ddp-nccl1 tuned": lambda: hand_epoch(tuned, tuned_opt, batches),
-        **fsdp_variants,
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    load_start = list(os.getloadavg())
-    for r in range(rounds + 1):
-        names = list(variants)
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            sync()
-            start = time.perf_counter()
-            variants[name]()
-            sync()
-            if r > 0:  # round 0 warms up
-                times[name].append((time.perf_counter() - start) / steps)
-    channel.close()
-    if fsdp_channel is not None:
-        fsdp_channel.close()
-    load_end = list(os.getloadavg())
-
-    what = "CPU (a check of the script, not a GPU figure)" if on_cpu else torch.cuda.get_device_name(0)
-    print(
-        f"{what}, MLP {n_params / 1e6:.1f}M params, batch 256, {steps} steps x {rounds} rounds (+1 warm-up)"
-    )
-    print(f"{'variant':16} {'ms/step':>9} {'steps/s':>9}")
-    rows = []
-    for name, values in times.items():
-        median = statistics.median(values)
-        rows.append({"variant": name, "seconds_per_step": values, "median": median})
-        print(f"{name:16} {median * 1e3:9.3f} {1 / median:9.1f}")
-    ratios = {}
-    for ours, peer in RATIOS:
-        if ours not in times or peer not in times:
-            continue
-        s = summarize([a / b for a, b in zip(times[ours], times[peer], strict=True)])
-        ratios[f"{ours} / {peer}"] = s
-        print(f"{ours} / {peer}: {s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}] (per round)")
-    print(f"load average {load_start} -> {load_end}")
-    write_json(
-        json_path,
-        {
-            "benchmark": "gpu",
-            "quick": args.quick,
-            "device": what,
-            "params": n_params,
-            "steps": steps,
-            "rounds": rounds,
-            "rows": rows,
-            "ratios": ratios,
-            "load_average": {"start": load_start, "end": load_end},
-        },
-    )
-    dist.destroy_process_group()
+        print(f"{'variant':16} {'ms/step':>9} {'steps/s':>9}")
+        rows = []
+        for name, values in times.items():
+            median = statistics.median(values)
+            rows.append({"variant": name, "seconds_per_step": values, "median": median})
+            print(f"{name:16} {median * 1e3:9.3f} {1 / median:9.1f}")
+        ratios = {}
+        for ours, peer in RATIOS:
+            if ours not in times or peer not in times:
+                continue
+            s = summarize([a / b for a, b in zip(times[ours], times[peer], strict=True)])
+            ratios[f"{ours} / {peer}"] = s
+            print(f"{ours} / {peer}: {s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}] (per round)")
+        print(f"load average {load_start} -> {load_end}")
+        write_json(
+            json_path,
+            {
+                "benchmark": "gpu",
+                "quick": args.quick,
+                "device": what,
+                "params": n_params,
+                "steps": steps,
+                "rounds": rounds,
+                "rows": rows,
+                "ratios": ratios,
+                "load_average": {"start": load_start, "end": load_end},
+            },
+        )
+    finally:
+        dist.destroy_process_group()
     return 0
 
 

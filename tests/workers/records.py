@@ -22,12 +22,14 @@ __all__ = ["load_record", "save_record", "write_whole"]
 
 
 def save_record(value: Any, path: str | Path) -> None:
-    """Write ``value`` to ``path`` (JSON) and ``path.safetensors`` (its tensors)."""
+    """Write ``value`` to ``path`` (JSON) and ``path.safetensors`` (its tensors): the tensors
+    first, then the JSON whole (:func:`write_whole`), so that a test that polls for ``path``
+    finds both complete."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = encode_tree(value, tensors)
     alone = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in tensors.items()}
     save_file(alone, f"{path}.safetensors")
-    Path(path).write_text(json.dumps(skeleton))
+    write_whole(Path(path), json.dumps(skeleton))
 
 
 def load_record(path: str | Path) -> Any:
@@ -37,7 +39,8 @@ def load_record(path: str | Path) -> Any:
 
 def write_whole(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (a temporary name, then a rename): the test
-    polls for the file, then reads it."""
-    part = path.with_name(f".{path.name}.part")
+    polls for the file, then reads it.  The temporary name holds the writer's pid: two processes
+    may write the same record."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
     part.write_text(text)
     os.replace(part, path)

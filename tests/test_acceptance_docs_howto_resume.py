@@ -1480,7 +1480,7 @@ def test_a_lost_rank_ends_the_root_with_peer_lost_error_naming_it(
     tmp_path: Path, how: signal.Signals
 ) -> None:
     """multi-node.md: "A rank that dies, freezes or is cut off ends every other rank within the
-    heartbeat timeout (10 s by default) with `lamploop.errors.PeerLostError`, whose `.rank` names
+    heartbeat timeout (4 s by default) with `lamploop.errors.PeerLostError`, whose `.rank` names
     it". The follower process is SIGKILLed (dies) or SIGSTOPped (freezes) after the first epoch;
     the root uses the default heartbeat settings."""
     port, token = free_port(), secrets.token_hex(16)

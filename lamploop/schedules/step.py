@@ -7,7 +7,8 @@ gives one per optimizer step, and the learning rate of a step is
 one resumed mid-epoch) asks exactly what the uninterrupted run asked, and nothing needs to
 be checkpointed.  Schedules count a global step ``epoch * steps_per_epoch + step``;
 ``steps_per_epoch`` is the number of optimizer steps of a full epoch (with several ranks,
-of the rank with the most batches, divided by the accumulation).
+of the rank with the most batches, divided by the accumulation and rounded up: 5 batches
+with 2 per step are 3 steps).
 
 >>> schedule = warmup_linear(warmup_steps=2, total_steps=6, steps_per_epoch=3)
 >>> [round(schedule.factor(e, s), 3) for e in range(3) for s in range(3)]

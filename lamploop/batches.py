@@ -8,6 +8,7 @@ resumed run sees exactly the data an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -34,6 +35,7 @@ __all__ = [
     "dataloader_batches",
     "epoch_seed",
     "iterable_batches",
+    "waits_on_nothing",
     "tensor_batches",
 ]
 
@@ -58,6 +60,25 @@ class EndingBatchStream(Protocol):
     def source_ended(self) -> bool: ...
 
     def __aiter__(self) -> AsyncIterator[Batch]: ...
+
+
+_WAITS_ON_NOTHING: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The streams this module made, which never wait on the outside world in an await."""
+
+
+def waits_on_nothing(stream: object) -> bool:
+    """Whether ``stream`` is one of :func:`tensor_batches`' or :func:`iterable_batches`' (and so
+    :func:`dataloader_batches`') streams, which never wait on the outside world in an await: a
+    stop request need not end their waits (:mod:`lamploop.loop.stop_aware`)."""
+    try:
+        return stream in _WAITS_ON_NOTHING
+    except TypeError:  # no weak reference to it: none of these
+        return False
+
+
+def _waiting_on_nothing(stream: AsyncIterator[Batch]) -> AsyncIterator[Batch]:
+    _WAITS_ON_NOTHING.add(stream)
+    return stream
 
 
 def source_ended(batches: object) -> bool:
@@ -162,7 +183,7 @@ def tensor_batches(
                 index = order[start : start + batch_size]
                 yield features[index], target[index]
 
-        return stream()
+        return _waiting_on_nothing(stream())
 
     return factory
 
@@ -200,7 +221,7 @@ def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchSt
                     return
                 yield batch
 
-        return stream()
+        return _waiting_on_nothing(stream())
 
     return factory
 

@@ -18,7 +18,7 @@ from lamploop.loop.boundary import StepBoundary
 from lamploop.loop.forward import Forward
 from lamploop.loop.metric_sums import MetricSums
 from lamploop.loop.pass_totals import Yielder, pass_totals
-from lamploop.loop.stop_aware import ended_by_request
+from lamploop.loop.stop_aware import ended_by_request, watching
 from lamploop.sync.channel import TensorChannel
 from lamploop.sync.fsdp import is_sharded
 
@@ -36,6 +36,20 @@ async def forward_pass(
 ) -> tuple[float, float, list[float], bool | None]:
     """The pass's totals over all ranks; last, ``None`` when no stop was requested, else
     whether some rank's stream was cut short by the request."""
+    async with watching(batches):  # one task ends a stop-aware stream's waits on a stop request
+        return await _forward_pass(forward, batches, channel, device, epoch, metrics, boundary)
+
+
+async def _forward_pass(
+    forward: Forward,
+    batches: BatchStream,
+    channel: TensorChannel,
+    device: torch.device | None,
+    epoch: int | None,
+    metrics: MetricSums,
+    boundary: StepBoundary | None,
+) -> tuple[float, float, list[float], bool | None]:
+    """The pass of :func:`forward_pass`."""
     forward.model.module.eval()
     rank = channel.rank
     losses: list[torch.Tensor] = []

@@ -26,6 +26,7 @@ from lamploop.loop.pass_totals import Yielder, epoch_totals
 from lamploop.loop.precision import LossScale, unscale_and_check
 from lamploop.loop.profiler import StepProfiler
 from lamploop.loop.step_timing import StepTimes, communication_clock
+from lamploop.loop.stop_aware import watching
 from lamploop.model import SupervisedModel
 from lamploop.sync.channel import PendingSum, TensorChannel
 from lamploop.sync.strategy import CountsStepExamples, GradientSync, reduces_linearly
@@ -122,6 +123,15 @@ class TrainingPass:
 
     async def run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
         """Train over ``batches``; the pass's loss sum, example count and metric sums over all ranks.
+
+        A stop-aware stream's waits are watched by one task for the whole pass
+        (:func:`~lamploop.loop.stop_aware.watching`); see :meth:`_run`.
+        """
+        async with watching(batches):
+            return await self._run(batches)
+
+    async def _run(self, batches: BatchStream) -> tuple[float, float, list[float]]:
+        """The pass of :meth:`run`.
 
         Skips the batches of the steps a resumed pass has done, then runs steps until the
         step's sum over ranks counts no example: each step is ``_forward_backward`` (up to k

@@ -100,7 +100,8 @@ class EpochStarted:
 
     ``steps_done`` and ``examples_done`` (every rank's) are not 0 when the epoch resumes at
     a step-boundary checkpoint; ``expected_steps`` is the previous epoch's step count
-    (``None`` in the first epoch this process runs, also after a resume): a guess of the epoch's length for progress bars.
+    (``None`` in the first epoch this process runs, also after a resume): a guess of the
+    epoch's length for progress bars.
     """
 
     epoch: int

@@ -51,7 +51,14 @@ from lamploop.control.wire import HEADER_BYTES, FrameDecoder, Interrupt, encode_
 from lamploop.distributed.boundaries import StopRequest
 from lamploop.errors import FrameError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
-from lamploop.loop.stop_aware import StopAwareStream, stop_aware_batches
+from lamploop.loop.stop_aware import (
+    OWN_STREAM_GRACE_S,
+    StopAwareOwnStream,
+    StopAwareStream,
+    ended_by_request,
+    stop_aware_batches,
+    watching,
+)
 from lamploop.modelspec import ModelSpec, TensorSpec
 from lamploop.stopping import share_stop_requests, stop_on_signals
 from lamploop.streaming import FifoBuffer, Sample, buffer_batches
@@ -215,13 +222,160 @@ async def test_a_programmatic_stop_ends_the_wait_at_the_step_boundary(put_batche
     assert buffer.fill == 1  # the wait that a stop ended took no sample out of the buffer
 
 
+class _OwnStream:
+    """An async stream of one's own (no ``EndingBatchStream``): ``ready`` batches, each after
+    ``every_s``, then a wait for ever (a producer that never comes); ``waiting`` is set then."""
+
+    def __init__(self, ready: int, every_s: float, waiting: threading.Event) -> None:
+        self.ready, self.every_s, self.waiting = ready, every_s, waiting
+        self.cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+        for seq in range(self.ready):
+            await anyio.sleep(self.every_s)
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seq))
+            yield x, (x.sum(dim=1) > 0).long()
+        self.waiting.set()
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled = True
+            raise
+
+
+def _drive(train: Any, validation: Any, stop: StopRequest, positions: list[EpochPosition]) -> Any:
+    async def save_position(_data: Any, _schedule: Any, position: EpochPosition, _rngs: Any) -> None:
+        positions.append(position)
+
+    return lamploop.drive_distributed_training(
+        nranks=1,
+        device="cpu",
+        control=None,
+        model=lamploop.SupervisedModel(torch.nn.Linear(4, 2), lamploop.cross_entropy_loss),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+        train_batches=train,
+        validation_batches=validation,
+        max_epochs=3,
+        checkpoint_position=save_position,
+        stop=stop,
+    )
+
+
+def _request_once(event: threading.Event, stop: StopRequest, requested: list[float], after_s: float) -> None:
+    event.wait(30)
+    time.sleep(after_s)
+    requested.append(time.monotonic())
+    stop.request("a program")
+
+
 @pytest.mark.anyio
-async def test_only_streams_over_a_source_that_can_end_are_wrapped() -> None:
+@pytest.mark.timeout(60)
+async def test_a_stop_ends_the_wait_of_an_own_stream_that_stalls_after_the_grace() -> None:
+    """DESIGN.md section 8: a stop request ends a run "also when no step is in progress because
+    the run waits for data", for an async stream of one's own too (found by
+    tests/test_acceptance_design_contract_r2.py: only EndingBatchStreams were stop-aware).  The
+    stream yields 3 batches, then waits for ever: the wait is cancelled ``OWN_STREAM_GRACE_S``
+    after the request and the run stops at the boundary after the 3 steps."""
+    stop, positions, requested = StopRequest(), [], []
+    waiting = threading.Event()
+    stream = _OwnStream(3, 0.0, waiting)
+    requester = threading.Thread(target=_request_once, args=(waiting, stop, requested, 0.3))
+    requester.start()
+    try:
+        with pytest.raises(TrainingInterrupted) as info, anyio.fail_after(30):
+            await _drive(stop_aware_batches(lambda _context: stream, stop), None, stop, positions)
+        took = time.monotonic() - requested[0]
+    finally:
+        requester.join(30)
+    assert OWN_STREAM_GRACE_S <= took < OWN_STREAM_GRACE_S + 2.0
+    assert stream.cancelled  # the stream was cancelled where it waited
+    assert (info.value.epoch, info.value.steps_done) == (0, 3)
+    assert [(p.epoch, p.steps_done) for p in positions] == [(0, 3)]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_own_validation_stream_that_yields_steadily_runs_to_its_end_after_a_stop() -> None:
+    """The grace leaves a stream alone that keeps yielding: a stop during a validation pass whose
+    batches come every 0.3 s (each wait shorter than the grace) lets the pass end whole, so the
+    epoch ends with its validation loss and the run stops there (docs/reliability.md, "during a
+    validation pass")."""
+    stop, positions, requested = StopRequest(), [], []
+    validating = threading.Event()
+
+    train = lamploop.tensor_batches(torch.randn(8, 4), torch.randint(0, 2, (8,)), batch_size=4)
+
+    class _Validation:
+        def __init__(self) -> None:
+            self.drawn = 0
+
+        async def __aiter__(self) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor]]:
+            for seq in range(6):
+                if seq == 1:
+                    validating.set()
+                await anyio.sleep(0.3)
+                self.drawn += 1
+                x = torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + seq))
+                yield x, (x.sum(dim=1) > 0).long()
+
+    validation = _Validation()
+    requester = threading.Thread(target=_request_once, args=(validating, stop, requested, 0.1))
+    requester.start()
+    own = stop_aware_batches(lambda _context: validation, stop)
+    try:
+        with pytest.raises(TrainingInterrupted, match="at the epoch's end") as info, anyio.fail_after(30):
+            await _drive(stop_aware_batches(train, stop), own, stop, positions)
+    finally:
+        requester.join(30)
+    assert validation.drawn == 6  # the whole pass
+    assert (info.value.epoch, info.value.steps_done) == (1, 0)
+
+
+@pytest.mark.anyio
+async def test_a_stream_wrapped_twice_is_one_wrapper_that_ends_on_either_request() -> None:
+    """``fit`` wraps with its stop request and each replica with its abort: one wrapper, one
+    watcher, ending on either."""
+    first, second = StopRequest(), StopRequest()
+    waiting = threading.Event()
+    factory = stop_aware_batches(stop_aware_batches(lambda _c: _OwnStream(0, 0.0, waiting), first), second)
+    stream = factory(lamploop.BatchContext(0))
+    assert isinstance(stream, StopAwareOwnStream)
+    assert not isinstance(stream._inner, StopAwareOwnStream)
+    second.request("the run's abort")
+    began = time.monotonic()
+    with anyio.fail_after(10):
+        async with watching(stream):
+            assert [batch async for batch in stream] == []
+    assert ended_by_request(stream)
+    assert OWN_STREAM_GRACE_S <= time.monotonic() - began < OWN_STREAM_GRACE_S + 2.0
+
+
+@pytest.mark.anyio
+async def test_a_watched_pass_raises_its_streams_error_as_it_is() -> None:
+    """An error in a watched stream reaches the caller as it is, not in an exception group."""
+    stop = StopRequest()
+
+    async def broken(_context: lamploop.BatchContext) -> AsyncIterator[Any]:
+        msg = "a producer's bad sample"
+        raise ValueError(msg)
+        yield  # an async generator
+
+    stream = stop_aware_batches(lambda context: broken(context), stop)(lamploop.BatchContext(0))
+    assert isinstance(stream, StopAwareOwnStream)
+    with pytest.raises(ValueError, match="a producer's bad sample"):
+        async with watching(stream):
+            await anext(aiter(stream))
+
+
+@pytest.mark.anyio
+async def test_lamploops_in_memory_streams_are_not_wrapped_and_ending_ones_are() -> None:
     stop = StopRequest()
     plain = lamploop.tensor_batches(torch.zeros(4, 2), torch.zeros(4), batch_size=2)
     assert stop_aware_batches(plain, stop) is not plain  # a factory...
     stream = stop_aware_batches(plain, stop)(lamploop.BatchContext(0))
-    assert not isinstance(stream, StopAwareStream)  # ...that hands back tensor_batches' own stream
+    assert not isinstance(stream, StopAwareStream | StopAwareOwnStream)  # tensor_batches' own stream
+    made = lamploop.iterable_batches(lambda _c: [(torch.zeros(2, 2), torch.zeros(2))])
+    assert not isinstance(stop_aware_batches(made, stop)(lamploop.BatchContext(0)), StopAwareOwnStream)
     buffer = FifoBuffer(capacity=4, watermark=1, seed=0)
     wrapped = stop_aware_batches(buffer_batches(buffer, batch_size=2, batches_per_epoch=1), stop)
     assert isinstance(wrapped(lamploop.BatchContext(0)), StopAwareStream)

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from lamploop.checks import check_finite, check_int
-from lamploop.errors import ConfigurationError
+from lamploop.errors import ConfigurationError, LamploopError
 
 __all__ = [
     "LearningRateSchedule",
@@ -166,9 +166,19 @@ class FromEpochCount(_Stateless):
     f: Callable[[int], float]
 
     def factor(self, epoch: int) -> float:
-        value = self.f(epoch)
+        name = getattr(self.f, "__qualname__", type(self.f).__name__)
+        try:
+            value = self.f(epoch)
+        except LamploopError:
+            raise
+        except Exception as exc:  # a user's function: say which, and for which epoch
+            msg = (
+                f"from_epoch_count: {name}({epoch}) raised {type(exc).__name__}: {exc}; f is asked for "
+                "every epoch from 0 to max_epochs, the last time at the stop (a table of factors "
+                "needs max_epochs + 1 entries)"
+            )
+            raise ConfigurationError(msg) from exc
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # e.g. a function without `return`
-            name = getattr(self.f, "__qualname__", type(self.f).__name__)
             msg = (
                 f"from_epoch_count: {name}({epoch}) returned {value!r:.60}, not a number; "
                 "a factor must be a finite number (<= 0 ends training)"
@@ -241,7 +251,14 @@ def cyclic(max_factor: float, period_length: int) -> Cyclic:
 
 
 def from_epoch_count(f: Callable[[int], float]) -> FromEpochCount:
-    """The factor is ``f(epoch)``; ``f`` must be a pure function of the epoch."""
+    """The factor is ``f(epoch)``; ``f`` must be a pure function of the epoch.
+
+    ``f`` is asked for every epoch from 0 to ``max_epochs``: the last time at the stop, as every
+    schedule is (DESIGN.md: "also once more at the stop"), where a factor <= 0 would end the run.
+
+    Raises:
+        ConfigurationError: (when asked) ``f`` raised, naming the epoch, or returned no number.
+    """
     _require(callable(f), f"from_epoch_count: f must be callable, got {f!r}")
     return FromEpochCount(f)
 

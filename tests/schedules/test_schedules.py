@@ -459,6 +459,32 @@ def test_an_epoch_function_that_returns_no_number_is_named() -> None:
         schedule.learning_rate_factor(schedule.init(), 3, None)
 
 
+def test_an_epoch_function_that_raises_is_named_with_its_epoch_and_the_stops_call() -> None:
+    """A table of one factor per epoch misses the call at the stop (epoch ``max_epochs``,
+    DESIGN.md: "also once more at the stop"): a raw IndexError from the user's lambda before."""
+    factors = [1.0, 0.5]
+
+    async def train(_factor: float) -> float:
+        return 1.0
+
+    async def save() -> None:
+        return None
+
+    async def main() -> lamploop.LoopState:
+        return await lamploop.epochs(
+            max_epochs=2,
+            train_epoch=train,
+            validation_epoch=None,
+            save_min_validation_loss_model=save,
+            learning_rate_schedule=schedules.from_epoch_count(lambda epoch: factors[epoch]),
+        )
+
+    with pytest.raises(ConfigurationError, match=r"<lambda>\(2\) raised IndexError: list index") as info:
+        anyio.run(main)
+    assert "max_epochs + 1 entries" in str(info.value)
+    assert isinstance(info.value.__cause__, IndexError)
+
+
 @pytest.mark.parametrize("make", [schedules.warmup_cosine, schedules.warmup_linear])
 def test_a_schedule_that_is_all_warm_up_is_at_final_from_total_steps_on(make: Any) -> None:
     schedule = make(warmup_steps=3, total_steps=3, steps_per_epoch=3, final=0.25)

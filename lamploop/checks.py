@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -33,6 +33,8 @@ __all__ = [
     "check_directory",
     "check_epochs_container",
     "check_int",
+    "check_mapping",
+    "check_names",
     "check_positive",
     "check_schedule",
     "check_seconds",
@@ -48,6 +50,24 @@ def check_int(name: str, value: object, low: int) -> int:
     """``value`` if it is an int (not a bool) ``>= low``, else ConfigurationError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         msg = f"{name} must be an int >= {low}, got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def check_names(name: str, value: object) -> list[object]:
+    """The items of ``value``, a collection of names (a list, tuple or set), else ConfigurationError
+    naming ``name``: one string is refused, not split into its characters."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable) or isinstance(value, Mapping):
+        hint = f" (one name: [{value!r}])" if isinstance(value, str) else ""
+        msg = f"{name} must be a list of names{hint}, got {type(value).__name__} {value!r:.40}"
+        raise ConfigurationError(msg)
+    return list(value)
+
+
+def check_mapping(name: str, value: object) -> Mapping[Any, Any]:
+    """``value`` if it is a mapping (a dict), else ConfigurationError naming ``name``."""
+    if not isinstance(value, Mapping):
+        msg = f"{name} must be a mapping (a dict), got {type(value).__name__} {value!r:.40}"
         raise ConfigurationError(msg)
     return value
 

@@ -265,6 +265,8 @@ class TcpControlRoot:
 
     async def wait_for_stop_request(self) -> str:
         """Wait until a rank (the root or a follower) asked every rank to stop; its reason."""
+        if not self._stop_requested.is_set():  # outside the block no request could ever come
+            self._sup.require_inside("wait_for_stop_request()")
         await self._stop_requested.wait()
         return self._stop_reason or ""
 

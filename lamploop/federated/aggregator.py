@@ -36,7 +36,8 @@ from collections.abc import Callable, Mapping
 import anyio
 import torch
 
-from lamploop.errors import ConfigurationError
+from lamploop.checks import check_callable
+from lamploop.errors import ConfigurationError, FederatedError
 from lamploop.federated.checkpoints import load_round_checkpoint
 from lamploop.federated.fedavg import averaged_names
 from lamploop.federated.models import BUILT_IN_BUILDERS, build_model
@@ -60,6 +61,14 @@ def _initial_state(
     model: torch.nn.Module | Mapping[str, torch.Tensor], plan: TrainingPlan
 ) -> dict[str, torch.Tensor]:
     state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    if not isinstance(state, Mapping) or not all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in state.items()
+    ):
+        msg = (
+            "run_aggregator: initial_model must be a torch.nn.Module or a state dict (names to tensors), "
+            f"got {type(model).__name__} {model!r:.60}"
+        )
+        raise ConfigurationError(msg)
     tensors = {name: tensor.detach().to("cpu").clone() for name, tensor in state.items()}
     mismatch = describe_mismatch(
         plan.model.tensors,
@@ -140,6 +149,11 @@ async def run_aggregator(
     secret = check_token(token)
     context = check_context("ssl_context", ssl_context, server_side=True)
     check_int_in("run_aggregator: port", port, 0, 65535)
+    check_callable("run_aggregator: on_listening", on_listening, optional=True)
+    check_callable("run_aggregator: on_round", on_round, optional=True)
+    if not isinstance(host, str) or not host:
+        msg = f"run_aggregator: host must be a host name or address (a non-empty str), got {host!r:.40}"
+        raise ConfigurationError(msg)
     model = _initial_state(initial_model, plan)
     names = _averaged_names(initial_model, plan)
     digest = plan_hash(plan)
@@ -157,8 +171,9 @@ async def run_aggregator(
         async with anyio.create_task_group() as tg, send_events, receive_events:
             try:
                 address = await tg.start(listener.serve, host, port)
-            except OSError as exc:  # the address cannot be listened on: raised as itself, below
-                failure = exc
+            except OSError as exc:  # the address cannot be listened on: raised below, naming it
+                failure = FederatedError(f"the aggregator cannot listen on {host}:{port}: {exc}")
+                failure.__cause__ = exc
                 tg.cancel_scope.cancel()
             else:
                 if on_listening is not None:

@@ -29,6 +29,7 @@ import logging
 import os
 import ssl
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,11 @@ async def run_node(
     if settings is not None and not isinstance(settings, NodeSettings):
         msg = f"run_node: settings must be NodeSettings, got {type(settings).__name__}"
         raise ConfigurationError(msg)
+    _check_builders(builders)
+    for what, value in (("host", host), ("server_hostname", server_hostname)):
+        if not (isinstance(value, str) and value) and not (value is None and what == "server_hostname"):
+            msg = f"run_node: {what} must be a host name or address (a non-empty str), got {value!r:.40}"
+            raise ConfigurationError(msg)
     config = settings or NodeSettings()
     trainer = NodeTrainer(name, train_batches, validation_batches, builders)
     trained: list[int] = []
@@ -152,6 +158,20 @@ async def run_node(
         if finish is not None:
             return NodeSummary(tuple(trained), tuple(refused), finish.reason, finish.failed)
         logger.warning("node %s lost the aggregator; reconnecting", name)
+
+
+def _check_builders(builders: object) -> None:
+    """``builders`` is None or a mapping of architecture names to functions (``ModelBuilders``)."""
+    if builders is None:
+        return
+    if not isinstance(builders, Mapping) or not all(
+        isinstance(name, str) and callable(build) for name, build in builders.items()
+    ):
+        msg = (
+            "run_node: builders must map architecture names to functions building a module from "
+            f"the plan's options (e.g. {{'mlp': lamploop.federated.mlp}}), got {builders!r:.60}"
+        )
+        raise ConfigurationError(msg)
 
 
 async def _reach(

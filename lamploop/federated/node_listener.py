@@ -79,17 +79,27 @@ class NodeListener:
         self.refusals = RefusalLog(who="federated aggregator")
 
     async def serve(self, host: str, port: int, *, task_status: TaskStatus[tuple[str, int]]) -> None:
-        """Listen on ``host:port`` (the transport's listener) and handle each connection in a task."""
+        """Listen on ``host:port`` (the transport's listener) and handle each connection in a task.
+
+        Raises:
+            OSError: the address cannot be listened on (as itself, not in an exception group).
+        """
+        failure: OSError | None = None
         async with anyio.create_task_group() as tg:
-            await serve_tcp(
-                host,
-                port,
-                on_connection=lambda stream: tg.start_soon(self.handle, stream),
-                refusals=self.refusals,
-                who="aggregator",
-                checks_first_bytes=self.context is None,  # under TLS the client speaks first
-                task_status=task_status,
-            )
+            try:
+                await serve_tcp(
+                    host,
+                    port,
+                    on_connection=lambda stream: tg.start_soon(self.handle, stream),
+                    refusals=self.refusals,
+                    who="aggregator",
+                    checks_first_bytes=self.context is None,  # under TLS the client speaks first
+                    task_status=task_status,
+                )
+            except OSError as exc:  # before listening: no connection task runs yet
+                failure = exc
+        if failure is not None:
+            raise failure
 
     async def handle(self, stream: anyio.abc.SocketStream) -> None:
         """One connection: the handshake, then the node's messages as events until it ends."""

@@ -86,6 +86,9 @@ def open_pipeline_group(
         msg = f"open_pipeline_group: rank must be in 0..{world_size - 1}, got {rank}"
         raise ConfigurationError(msg)
     check_int_in("open_pipeline_group: port", port, 1, 65535)
+    if not isinstance(host, str) or not host:
+        msg = f"open_pipeline_group: host must be a host name or address (a non-empty str), got {host!r:.40}"
+        raise ConfigurationError(msg)
     seconds = check_seconds("open_pipeline_group: timeout", timeout)
     if join_timeout is None:
         join_seconds = max(seconds, DEFAULT_PIPELINE_TIMEOUT_S)

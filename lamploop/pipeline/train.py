@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint.restore import restore_optimizer_state
-from lamploop.checks import check_int
+from lamploop.checks import check_callable, check_int
 from lamploop.distributed.replica import learning_rates, set_learning_rate_factor
 from lamploop.distributed.root_setup import OptimizerFactory
 from lamploop.errors import BatchError, CheckpointError, ConfigurationError, NonFiniteLossError
@@ -237,6 +237,15 @@ async def train_pipeline(
         msg = f"train_pipeline: spec must be a PipelineSpec, got {type(spec).__qualname__}"
         raise ConfigurationError(msg)
     check_int("train_pipeline: max_epochs", max_epochs, 0)
+    check_callable("train_pipeline: train_batches", train_batches)
+    check_callable("train_pipeline: validation_batches", validation_batches, optional=True)
+    check_callable("train_pipeline: checkpoint_state", checkpoint_state, optional=True)
+    if init_state is not None and not isinstance(init_state, LoopStateWithModelAndOptimizerData):
+        msg = (
+            "train_pipeline: init_state must be a LoopStateWithModelAndOptimizerData (see "
+            f"load_stage_checkpoint), got {type(init_state).__name__}"
+        )
+        raise ConfigurationError(msg)
     stages = split_sequential(model, spec.boundaries)
     if group.world_size != spec.num_stages:
         msg = (

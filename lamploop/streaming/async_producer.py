@@ -37,6 +37,7 @@ from lamploop.streaming.outbox import (
     Outbox,
 )
 from lamploop.streaming.producer_connection import ProducerConnectionLoop, _Signal
+from lamploop.streaming.tensor_bytes import check_samples
 from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_SEQ,
@@ -252,6 +253,7 @@ class AsyncProducer(ProducerConnectionLoop):
         failing part of the way, it has kept the samples before the one it stopped at
         (:attr:`next_seq` tells how many).
         """
+        check_samples(samples)
         return await self._submit_all(encode_tensors(tensors) for tensors in samples)
 
     async def send_rows(self, columns: Mapping[str, torch.Tensor]) -> list[int]:

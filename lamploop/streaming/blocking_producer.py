@@ -29,6 +29,7 @@ import torch
 
 from lamploop.errors import StreamingError, TransportError
 from lamploop.streaming.async_producer import HANDOVER_BYTES, HANDOVER_SAMPLES, AsyncProducer, ProducerStats
+from lamploop.streaming.tensor_bytes import check_samples
 from lamploop.streaming.wire import encode_rows, encode_tensors
 
 __all__ = ["BLOCKING_AHEAD", "BLOCKING_AHEAD_BYTES", "HANDOVER_DELAY_S", "BlockingProducer"]
@@ -325,6 +326,7 @@ class BlockingProducer:
 
     def send_many(self, samples: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
         """:meth:`send` each of ``samples``, in order; their seqs."""
+        check_samples(samples)
         return [self.send(tensors) for tensors in samples]
 
     def send_rows(self, columns: Mapping[str, torch.Tensor]) -> list[int]:

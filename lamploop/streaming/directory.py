@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
+from lamploop.checks import check_mapping
 from lamploop.errors import ConfigurationError
 from lamploop.streaming.wire import check_producer_name
 
@@ -58,7 +59,7 @@ class ProducerDirectory:
             msg = f"directory_index must be a rank index (an int >= 0), got {own_index!r:.40}"
             raise ConfigurationError(msg)
         self._assigned: dict[str, int] = {}
-        for name, index in (assignments or {}).items():
+        for name, index in check_mapping("directory_assignments", assignments or {}).items():
             reason = check_producer_name(name)
             if reason is not None:
                 msg = f"directory_assignments: {reason}"

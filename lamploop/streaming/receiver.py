@@ -50,6 +50,7 @@ from types import TracebackType
 import anyio
 import anyio.abc
 
+from lamploop.checks import check_mapping, check_names
 from lamploop.errors import (
     ConfigurationError,
     StreamingError,
@@ -178,21 +179,15 @@ class SampleReceiver(ReceiverServing):
         check_int_in("max_pending_handshakes", max_pending_handshakes, 1)
         check_seconds_each(handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
         acked: dict[str, int] = {}
-        for name, seq in (acknowledged or {}).items():
+        for name, seq in check_mapping("acknowledged", acknowledged or {}).items():
             _check_name("acknowledged", name)
             check_int_in(f"acknowledged[{name!r}]", seq, -1, MAX_SEQ)
             acked[name] = seq
-        done = {_check_name("producers_done", name) for name in producers_done}
+        done = set(_names("producers_done", producers_done))
         self._expected = (
-            None
-            if expected_producers is None
-            else frozenset(_check_name("expected_producers", name) for name in expected_producers)
+            None if expected_producers is None else _names("expected_producers", expected_producers)
         )
-        self._allowed = (
-            None
-            if allowed_producers is None
-            else frozenset(_check_name("allowed_producers", name) for name in allowed_producers)
-        )
+        self._allowed = None if allowed_producers is None else _names("allowed_producers", allowed_producers)
         if not isinstance(uniform_samples, bool):
             msg = f"uniform_samples must be a bool, got {type(uniform_samples).__name__}"
             raise ConfigurationError(msg)
@@ -206,6 +201,7 @@ class SampleReceiver(ReceiverServing):
             )
             raise ConfigurationError(msg)
         self._own_thread = own_thread
+        self._left = False  # the owner's block has ended: nothing is served any more
         self._thread: ServingThread | None = None
         self._body: anyio.CancelScope | None = None  # the owner's block, with own_thread
         self._directory = ProducerDirectory(directory_assignments, own_index=directory_index)
@@ -320,11 +316,19 @@ class SampleReceiver(ReceiverServing):
 
         Raises:
             ConfigurationError: the receiver has no ``expected_producers``.
-            StreamingError: the receiver failed (its sink's put raised).
+            StreamingError: the receiver failed (its sink's put raised), or it is not listening
+                (called before its ``async with`` block or after it).
         """
         if self._expected is None:
             msg = "wait_all_done() needs SampleReceiver(expected_producers=...)"
             raise ConfigurationError(msg)
+        if self._address is None or self._left:  # no producer could ever be served: no wait
+            when = "any more: its block has ended" if self._left else "yet"
+            msg = (
+                f"wait_all_done(): the receiver is not listening {when}; call it inside "
+                "`async with SampleReceiver(...) as receiver`"
+            )
+            raise StreamingError(msg)
         with self._sup.waiting():
             await self._all_done_or_failed.wait()
         self._sup.raise_failure()
@@ -351,6 +355,7 @@ class SampleReceiver(ReceiverServing):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
+        self._left = True
         if self._thread is not None:
             return await self._exit_thread(exc)
         remaining = self._sup.leave_body(exc)
@@ -404,6 +409,11 @@ class SampleReceiver(ReceiverServing):
         intake = self._intake
         if self._expected is not None and self._expected <= intake.done | intake.refused.keys():
             self._set_on_owner(self._all_done_or_failed)
+
+
+def _names(where: str, names: object) -> frozenset[str]:
+    """A collection of producer names (not one string), each checked."""
+    return frozenset(_check_name(where, name) for name in check_names(where, names))
 
 
 def _check_name(where: str, name: object) -> str:

@@ -43,10 +43,12 @@ import torch
 
 from lamploop.checkpoint.extras import rank_extra_name
 from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint
+from lamploop.checks import check_int, check_names
 from lamploop.distributed.launch import launch_env
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.streaming.buffers import StreamBuffer
 from lamploop.streaming.receiver import SampleReceiver
+from lamploop.streaming.wire import check_producer_name
 
 __all__ = ["STREAM_EXTRA", "StreamState", "producer_rank", "producers_of_rank"]
 
@@ -121,8 +123,12 @@ class StreamState:
         if self.receiver is not None:
             msg = f"stream state {self.name!r}: open_receiver was called before; a stream has one receiver"
             raise ConfigurationError(msg)
+        names = [str(_producer_name(name)) for name in check_names("open_receiver: producers", producers)]
+        check_int("open_receiver: nranks", nranks, 1)
         rank = _this_rank(rank)
-        names = list(producers)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
+            msg = f"open_receiver: rank must be an int in 0..{nranks - 1} (nranks={nranks}), got {rank!r:.40}"
+            raise ConfigurationError(msg)
         options.setdefault("allowed_producers", names)  # any other name is refused at the handshake
         if nranks > 1 and rank == 0:  # the root hands the producers out; the others take theirs
             options.setdefault("directory_assignments", {n: producer_rank(names, n, nranks) for n in names})
@@ -290,6 +296,14 @@ def producer_rank(producers: Sequence[str], name: str, nranks: int) -> int:
 def producers_of_rank(producers: Sequence[str], rank: int, nranks: int) -> list[str]:
     """The producers whose samples rank ``rank`` of ``nranks`` trains on (see :func:`producer_rank`)."""
     return sorted(producers)[rank::nranks]
+
+
+def _producer_name(name: object) -> object:
+    reason = check_producer_name(name)
+    if reason is not None:
+        msg = f"open_receiver: producers: {reason}"
+        raise ConfigurationError(msg)
+    return name
 
 
 def _this_rank(rank: int | None) -> int:

@@ -23,7 +23,7 @@ import ctypes
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import repeat
 from typing import Any, Final, TypeAlias
 
@@ -99,14 +99,17 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
             what = f"{type(name).__name__}: {type(tensor).__name__}"
             msg = f"a sample's tensors map str to torch.Tensor, got {what}"
             raise TypeError(msg)
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        if not tensor.is_cpu:
-            tensor = tensor.cpu()
-        if tensor.is_conj() or tensor.is_neg():  # a lazy view: its memory does not hold its values yet
-            tensor = tensor.resolve_conj().resolve_neg()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+        try:  # free unless it raises (Python 3.11)
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            if not tensor.is_cpu:
+                tensor = tensor.cpu()
+            if tensor.is_conj() or tensor.is_neg():  # a lazy view: its memory does not hold its values yet
+                tensor = tensor.resolve_conj().resolve_neg()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+        except (RuntimeError, NotImplementedError) as exc:  # sparse, meta...: no memory to send
+            raise TypeError(_unsendable(name, tensor, exc)) from exc
         key.append((name, tensor.dtype, tensor.shape))
         ready.append(tensor)
     signature = tuple(key)
@@ -120,6 +123,26 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
         # alive until the join below has copied them.
         parts.append(raw.from_address(ready[index].data_ptr()))
     return b"".join(parts)
+
+
+def check_samples(samples: object) -> None:
+    """TypeError unless ``samples`` is an iterable of samples (``send_many``'s argument): one
+    sample (a mapping) or a number is named, not iterated."""
+    if isinstance(samples, Mapping) or not isinstance(samples, Iterable) or isinstance(samples, str | bytes):
+        hint = " (one sample: send(sample), or send_many([sample]))" if isinstance(samples, Mapping) else ""
+        msg = (
+            f"send_many: samples must be an iterable of samples (mappings of names to tensors){hint}, "
+            f"got {type(samples).__name__}"
+        )
+        raise TypeError(msg)
+
+
+def _unsendable(name: str, tensor: torch.Tensor, exc: BaseException) -> str:
+    kind = "a meta tensor" if tensor.is_meta else f"a tensor of layout {tensor.layout}"
+    return (
+        f"a sample's tensor {name!r} is {kind}, which has no dense memory to send ({exc}); "
+        "send a dense (strided) tensor with its values, e.g. tensor.to_dense()"
+    )
 
 
 def encode_rows(columns: Mapping[str, torch.Tensor]) -> list[bytes]:
@@ -154,7 +177,10 @@ def encode_rows(columns: Mapping[str, torch.Tensor]) -> list[bytes]:
         elif column.shape[0] != rows:
             msg = f"columns hold one row per sample: {first!r} has {rows} rows, {name!r} {column.shape[0]}"
             raise ValueError(msg)
-        column = column.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        try:
+            column = column.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        except (RuntimeError, NotImplementedError) as exc:  # sparse, meta...: no memory to send
+            raise TypeError(_unsendable(name, column, exc)) from exc
         key.append((name, column.dtype, column.shape[1:]))
         ready.append(column)
     signature = tuple(key)

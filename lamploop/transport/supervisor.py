@@ -69,6 +69,13 @@ class Supervisor:
             raise TransportError(msg)
         return self._tg
 
+    def require_inside(self, what: str) -> None:
+        """Raise unless the owner's ``async with`` block runs: ``what`` would wait for ever."""
+        if self._tg is None or self._body_left:
+            state = "after its block ended" if self._body_left else "before `async with`"
+            msg = f"{what} {state}: use the control channel inside `async with`"
+            raise TransportError(msg)
+
     async def enter(self) -> None:
         """Start the task group, then a cancel scope around the owner's body (left in :meth:`leave_body`)."""
         if self._tg is not None:

@@ -380,49 +380,42 @@ CASES = [
         lambda _: _run(lambda: _enter_receiver(acknowledged=[1])),
         ConfigurationError,
         "acknowledged",
-        "acknowledged=[1] ends in a raw AttributeError ('list' object has no attribute 'items')",
     ),
     case(
         "receiver producers_done an int",
         lambda _: _run(lambda: _enter_receiver(producers_done=5)),
         ConfigurationError,
         "producers_done",
-        "producers_done=5 ends in a raw TypeError ('int' object is not iterable)",
     ),
     case(
         "receiver expected_producers an int",
         lambda _: _run(lambda: _enter_receiver(expected_producers=5)),
         ConfigurationError,
         "expected_producers",
-        "expected_producers=5 ends in a raw TypeError ('int' object is not iterable)",
     ),
     case(
         "receiver expected_producers a str",
         lambda _: _run(lambda: _enter_receiver(expected_producers="sim")),
         ConfigurationError,
         "expected_producers",
-        "expected_producers='sim' is taken as the producers 's', 'i', 'm': wait_all_done never returns",
     ),
     case(
         "receiver allowed_producers an int",
         lambda _: _run(lambda: _enter_receiver(allowed_producers=5)),
         ConfigurationError,
         "allowed_producers",
-        "allowed_producers=5 ends in a raw TypeError ('int' object is not iterable)",
     ),
     case(
         "receiver allowed_producers a str",
         lambda _: _run(lambda: _enter_receiver(allowed_producers="sim")),
         ConfigurationError,
         "allowed_producers",
-        "allowed_producers='sim' is taken as ['i', 'm', 's']: the producer 'sim' is refused",
     ),
     case(
         "receiver directory_assignments a list",
         lambda _: _run(lambda: _enter_receiver(directory_assignments=[1])),
         ConfigurationError,
         "directory_assignments",
-        "directory_assignments=[1] ends in a raw AttributeError ('list' object has no attribute 'items')",
     ),
     case(
         "receiver directory_index a str",
@@ -527,23 +520,18 @@ CASES = [
         lambda _: _run(lambda: _send_to_receiver("send", {"x": torch.zeros(3).to_sparse()})),
         (TypeError, ValueError, LamploopError),
         "'x'|sparse",
-        "send() of a sparse tensor ends in a raw RuntimeError "
-        "('unsupported memory format option Contiguous')",
     ),
     case(
         "send a meta tensor",
         lambda _: _run(lambda: _send_to_receiver("send", {"x": torch.empty(3, device="meta")})),
         (TypeError, ValueError, LamploopError),
         "'x'",
-        "send() of a meta tensor ends in a raw NotImplementedError "
-        "('Cannot copy out of meta tensor; no data!')",
     ),
     case(
         "send_many an int",
         lambda _: _run(lambda: _send_to_receiver("send_many", 5)),
         (TypeError, ValueError, LamploopError),
         "samples|send_many",
-        "send_many(5) ends in a raw TypeError naming nothing ('int' object is not iterable)",
     ),
     case(
         "send_rows columns of other lengths",
@@ -557,35 +545,30 @@ CASES = [
         lambda _: _run(lambda: _open_receiver(producers="sim")),
         ConfigurationError,
         "producers",
-        "producers='sim' is taken as ['i', 'm', 's']: the producer 'sim' is refused at the handshake",
     ),
     case(
         "open_receiver producers None",
         lambda _: _run(lambda: _open_receiver(producers=None)),
         ConfigurationError,
         "producers",
-        "producers=None ends in a raw TypeError ('NoneType' object is not iterable)",
     ),
     case(
         "open_receiver nranks 0",
         lambda _: _run(lambda: _open_receiver(nranks=0)),
         ConfigurationError,
         "nranks",
-        "nranks=0 ends in a raw ValueError ('slice step cannot be zero')",
     ),
     case(
         "open_receiver rank beyond nranks",
         lambda _: _run(lambda: _open_receiver(nranks=2, rank=5)),
         ConfigurationError,
         "rank",
-        "rank=5 with nranks=2 is taken silently",
     ),
     case(
         "open_receiver rank a str",
         lambda _: _run(lambda: _open_receiver(rank="0")),
         ConfigurationError,
         "rank",
-        "rank='0' ends in a raw TypeError ('slice indices must be integers ...')",
     ),
     # -- federated
     case(
@@ -593,35 +576,30 @@ CASES = [
         lambda _: _aggregate(initial_model=None),
         ConfigurationError,
         "initial_model",
-        "initial_model=None ends in a raw AttributeError ('NoneType' object has no attribute 'items')",
     ),
     case(
         "run_aggregator initial_model of lists",
         lambda _: _aggregate(initial_model={"0.weight": [[0.0] * 4] * 2, "0.bias": [0.0, 0.0]}),
         ConfigurationError,
         "initial_model|0.weight",
-        "a state dict of lists ends in a raw AttributeError ('list' object has no attribute 'detach')",
     ),
     case(
         "run_aggregator on_listening an int",
         lambda _: _aggregate(on_listening=5),
         ConfigurationError,
         "on_listening",
-        "on_listening=5 ends in an ExceptionGroup of a raw TypeError ('int' object is not callable)",
     ),
     case(
         "run_aggregator on_round an int",
         lambda _: _aggregate(on_round=5),
         ConfigurationError,
         "on_round",
-        "on_round=5 is not checked before listening: the run waits join_timeout and fails for its nodes",
     ),
     case(
         "run_aggregator host unresolvable",
         lambda _: _aggregate(host="no.such.host.invalid"),
         LamploopError,
         "no.such.host.invalid",
-        "a host it cannot listen on ends in a nested ExceptionGroup of an OSError",
     ),
     case(
         "run_node allow_list None",
@@ -646,14 +624,12 @@ CASES = [
         lambda tmp: _run_node(tmp, builders=5),
         ConfigurationError,
         "builders",
-        "builders=5 is not checked: the node tries to reach the aggregator and fails for that",
     ),
     case(
         "run_node server_hostname an int",
         lambda tmp: _run_node(tmp, server_hostname=5),
         ConfigurationError,
         "server_hostname",
-        "server_hostname=5 is not checked: the node tries to reach the aggregator and fails for that",
     ),
     case(
         "AggregatorSettings join_timeout a str",
@@ -685,7 +661,6 @@ CASES = [
         lambda _: _open_group(host=5),
         ConfigurationError,
         "host",
-        "host=5 ends in a raw TypeError from torch's TCPStore constructor",
     ),
     case(
         "open_pipeline_group inside another",
@@ -698,28 +673,24 @@ CASES = [
         lambda _: _train_pipeline(init_state=5),
         ConfigurationError,
         "init_state",
-        "init_state=5 ends in a raw AttributeError ('int' object has no attribute 'model')",
     ),
     case(
         "train_pipeline checkpoint_state an int",
         lambda _: _train_pipeline(checkpoint_state=5),
         ConfigurationError,
         "checkpoint_state",
-        "checkpoint_state=5 ends in a raw TypeError ('int' object is not callable) after the first epoch",
     ),
     case(
         "train_pipeline validation_batches an int",
         lambda _: _train_pipeline(validation_batches=5),
         ConfigurationError,
         "validation_batches",
-        "validation_batches=5 ends in a raw TypeError ('int' object is not callable)",
     ),
     case(
         "train_pipeline train_batches a tensor",
         lambda _: _train_pipeline(train_batches=X),
         ConfigurationError,
         "train_batches",
-        "train_batches=<a tensor> ends in a raw TypeError ('Tensor' object is not callable)",
     ),
     case(
         "train_pipeline optimizer_factory returning an int",
@@ -786,15 +757,12 @@ CASES = [
         lambda _: _run(_receiver_wait_all_done_before_entering, within=1.5),
         StreamingError,
         "async with|not listening|not entered",
-        "wait_all_done() on a receiver never entered waits forever",
     ),
     case(
         "receiver wait_all_done after leaving",
         lambda _: _run(_receiver_wait_all_done_after_leaving, within=1.5),
         StreamingError,
         "closed|async with|not listening|'sim'",
-        "wait_all_done() after the receiver's block ended waits forever "
-        "for a producer it can no longer serve",
     ),
     case(
         "receiver address before entering",
@@ -844,14 +812,12 @@ CASES = [
         lambda _: _run(_root_wait_for_stop_request_before_entering, within=1.5),
         TransportError,
         "async with",
-        "wait_for_stop_request() outside `async with` waits forever (join() and broadcast() raise there)",
     ),
     case(
         "follower wait_for_stop_request before entering",
         lambda _: _run(_follower_wait_for_stop_request_before_entering, within=1.5),
         TransportError,
         "async with",
-        "wait_for_stop_request() outside `async with` waits forever (join() raises there)",
     ),
     case(
         "root broadcast before entering",
@@ -1158,16 +1124,14 @@ FAKE_SERVERS = [
         "garbage_welcome",
         TransportError,
         "rank 1.*json",
-        "a root that answers the hello with garbage fails the follower with a bare FrameError "
-        "('the frame body is not UTF-8 JSON ...') that names neither the rank nor the root",
+        None,
     ),
     (
         "federated",
         "half_challenge",
         (HandshakeError, FederatedError),
         "'node-0'.*(handshake|challenge)",
-        "an aggregator that stalls in its challenge fails the node with '... for 1 s: TimeoutError', "
-        "which does not say that the handshake timed out (the producer and the follower say so)",
+        None,
     ),
     ("federated", "close_after_hello", (HandshakeError, FederatedError), "closed the connection", None),
     (
@@ -1175,8 +1139,7 @@ FAKE_SERVERS = [
         "half_welcome",
         (HandshakeError, FederatedError),
         "'node-0'.*(handshake|welcome)",
-        "an aggregator that stalls in its welcome fails the node with '... for 1 s: TimeoutError', "
-        "which does not say that the handshake timed out (the producer and the follower say so)",
+        None,
     ),
     ("federated", "garbage_welcome", (HandshakeError, FederatedError), "frame", None),
 ]
@@ -1393,11 +1356,6 @@ async def test_a_joined_follower_that_sends_garbage_ends_the_root_naming_it() ->
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: a joined follower that sends a garbage frame is reported with how='died' "
-    "(docs/control-channel.md lists 'protocol' for a peer that breaks the protocol; it is alive)",
-)
 async def test_a_joined_follower_that_sends_garbage_is_reported_as_breaking_the_protocol() -> None:
     error, _ = await _root_with_a_spoiled_follower("garbage")
     assert isinstance(error, PeerLostError), repr(error)
@@ -1405,29 +1363,17 @@ async def test_a_joined_follower_that_sends_garbage_is_reported_as_breaking_the_
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: open_receiver(producers='sim') splits the name into 's', 'i', 'm': the run's only "
-    "producer is refused at the handshake and wait_all_done never returns",
-)
-async def test_a_producer_list_given_as_one_name_is_refused_or_serves_that_producer() -> None:
-    with anyio.fail_after(15):
-        async with StreamState(_buffer()).open_receiver(token=TOKEN, producers="sim") as receiver:
-            async with AsyncProducer(
-                receiver.address, name="sim", token=TOKEN, reconnect_timeout=2.0
-            ) as producer:
-                await producer.send(SAMPLE)
-            with anyio.fail_after(3):
-                await receiver.wait_all_done()
+async def test_a_producer_list_given_as_one_name_is_refused_naming_it() -> None:
+    """``open_receiver(producers="sim")`` was split into the producers 's', 'i', 'm' (the run's
+    only producer refused at the handshake, ``wait_all_done`` waiting for ever): one string where
+    a list of names belongs is refused before anything listens, saying how to write it."""
+    with pytest.raises(
+        ConfigurationError, match=r"producers must be a list of names \(one name: \['sim'\]\)"
+    ):
+        StreamState(_buffer()).open_receiver(token=TOKEN, producers="sim")
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT: run_aggregator returns (its rounds done) with a stranger still in its handshake and "
-    "leaves that accepted connection open: the stranger waits on, and the socket is only reclaimed "
-    "by the garbage collector (ResourceWarning: unclosed socket)",
-)
 async def test_an_aggregator_that_ends_closes_the_connections_still_in_their_handshake(
     tmp_path: Path,
 ) -> None:

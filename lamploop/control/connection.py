@@ -22,7 +22,7 @@ import attrs
 
 from lamploop.control.settings import Link
 from lamploop.control.wire import Abort, EndOfMessages, FrameDecoder, Heartbeat, Message, encode_frame
-from lamploop.errors import ControlChannelError, PeerLostError, error_detected_by_every_rank
+from lamploop.errors import ControlChannelError, FrameError, PeerLostError, error_detected_by_every_rank
 from lamploop.transport.connection import TRANSPORT_ERRORS, FramedConnection
 from lamploop.transport.supervisor import Supervisor
 
@@ -125,14 +125,16 @@ class Connection(FramedConnection[Message]):
     async def receive_live(self) -> Message | Gone:
         """The next message from a joined peer, or how it is gone.
 
-        Gone: the connection failed (a malformed frame included), the peer sent nothing for
-        the heartbeat timeout, or it closed the connection.  Raises nothing of its own.
+        Gone: the connection failed, the peer sent a malformed frame (``"protocol"``), sent
+        nothing for the heartbeat timeout, or closed the connection.  Raises nothing of its own.
         """
         timeout = self._link.heartbeat_timeout
         message: Message | None = None
         with anyio.move_on_after(timeout) as silence:
             try:
                 message = await self.receive()
+            except FrameError as exc:  # alive, but what it sent is no frame of this protocol
+                return Gone(f"broke the protocol: {exc}", "protocol")
             except ControlChannelError as exc:
                 return Gone(f"is gone: {exc}", "died")
         if silence.cancelled_caught:

@@ -34,7 +34,7 @@ from lamploop.control.wire import (
     Interrupt,
     preauth_frame_limit,
 )
-from lamploop.errors import ControlChannelError, HandshakeError, PeerLostError
+from lamploop.errors import ControlChannelError, FrameError, HandshakeError, PeerLostError
 from lamploop.modelspec import ModelSpec
 from lamploop.transport import tls
 from lamploop.transport.connection import GOODBYE_TIMEOUT
@@ -231,6 +231,9 @@ class TcpControlFollower:
                 logger.debug("rank %d: %s ends its run; waiting for the next", self.rank, self._root)
                 return None
             raise
+        except FrameError as exc:  # the root's answer is no frame of this protocol
+            msg = f"rank {self.rank}: {self._root} answered the handshake with a bad frame: {exc}"
+            raise ControlChannelError(msg) from exc
         except HungUpBeforeChallenge as exc:
             # A previous run's root closing its listener (with this connection queued on it),
             # as a process running fit again at once meets: the next root comes on the same port,

@@ -186,9 +186,11 @@ async def _reach(
     deadline = time.monotonic() + config.connect_timeout
     last = "no attempt"
     while time.monotonic() < deadline:
+        connected = False
         try:
             with anyio.fail_after(min(config.handshake_timeout, max(deadline - time.monotonic(), 0.01))):
                 stream = await _connect(host, port, context, server_hostname)
+                connected = True
                 link = Link(stream, max_frame_bytes=config.max_frame_bytes, peer=f"{host}:{port}")
                 try:
                     await join_aggregator(link, secret, name)
@@ -200,6 +202,8 @@ async def _reach(
             raise
         except (OSError, TransportError, TimeoutError) as exc:
             last = explain(exc)
+            if isinstance(exc, TimeoutError) and connected:  # it answered, then stalled
+                last = f"connected, but the handshake did not finish within {config.handshake_timeout:g} s"
             if isinstance(exc, FrameError):  # not the aggregator being away: say it, then retry
                 logger.warning("node %s: joining the aggregator failed, trying again: %s", name, last)
         await anyio.sleep(config.retry_interval)

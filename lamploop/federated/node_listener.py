@@ -111,6 +111,7 @@ class NodeListener:
 
     async def _handshake(self, stream: Any, peer: str) -> tuple[str | None, Link | None]:
         link: Link | None = None
+        closed = False
         with self.pending.slot() as slot:
             try:
                 with anyio.fail_after(self.settings.handshake_timeout):
@@ -122,9 +123,16 @@ class NodeListener:
                 why = f"no handshake within {self.settings.handshake_timeout:g} s"
             except TransportError as exc:  # HandshakeError, FrameError, a broken connection
                 why = str(exc)
+            except BaseException:  # cancelled (too many handshakes, or the run is over): closed now,
+                with anyio.CancelScope(shield=True):  # not left open for the garbage collector
+                    await anyio.aclose_forcefully(stream)
+                closed = True
+                raise
         if slot.cancelled_caught:
             why = "dropped: too many connections handshaking at once"
         self.refusals.refused(peer, why)
+        if closed:
+            return None, None
         if link is not None:
             await link.aclose()
         else:

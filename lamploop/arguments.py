@@ -8,6 +8,7 @@ the first epoch with an ``AttributeError`` or ``TypeError`` that names none of t
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,16 +66,8 @@ def check_fit_keywords(
     if checkpoint_dir is not None:
         check_directory(f"{where}: checkpoint_dir", checkpoint_dir)
     check_bool(f"{where}: resume", resume)
-    if launch_command is not None and (
-        isinstance(launch_command, str | bytes)
-        or not isinstance(launch_command, Sequence)
-        or not all(isinstance(word, str | os.PathLike) for word in launch_command)
-    ):
-        msg = (
-            f"{where}: launch_command must be None or a list of str (argv, e.g. "
-            f"[sys.executable, 'train.py']), got {launch_command!r:.60}"
-        )
-        raise ConfigurationError(msg)
+    if launch_command is not None:
+        check_launch_command(where, launch_command)
     try:
         # A run of one rank has no control channel: check the heartbeat here all the same,
         # as the same call with world_size=2 would only fail once rank 1 was started.
@@ -82,6 +75,41 @@ def check_fit_keywords(
     except ConfigurationError as exc:
         msg = f"{where}: {exc}"
         raise ConfigurationError(msg) from None
+
+
+def check_launch_command(where: str, command: object) -> None:
+    """A non-empty argv whose program can be found (a path, or a name on ``PATH``)."""
+    if (
+        isinstance(command, str | bytes)
+        or not isinstance(command, Sequence)
+        or not all(isinstance(word, str | os.PathLike) for word in command)
+    ):
+        msg = (
+            f"{where}: launch_command must be None or a list of str (argv, e.g. "
+            f"[sys.executable, 'train.py']), got {command!r:.60}"
+        )
+        raise ConfigurationError(msg)
+    if not command:
+        msg = f"{where}: launch_command is empty; give the program and its arguments: [sys.executable, ...]"
+        raise ConfigurationError(msg)
+    program = os.fspath(command[0])
+    if not program or shutil.which(program) is None:
+        msg = (
+            f"{where}: launch_command's program {program!r} is not an executable file or a command on "
+            "PATH; e.g. launch_command=[sys.executable, 'train.py']"
+        )
+        raise ConfigurationError(msg)
+
+
+def check_selection_needs_validation(where: str, settings: TrainingSettings, validation_batches: Any) -> None:
+    """A model selection metric other than the validation loss is read from validations."""
+    metric = settings.model_selection_metric
+    if metric is not None and validation_batches is None:
+        msg = (
+            f"{where}: model_selection_metric={metric!r} needs validation_batches: the best model "
+            "is picked by that metric over the validations, and there would be none"
+        )
+        raise ConfigurationError(msg)
 
 
 def check_early_stopping(where: str, patience: int | None, validation_batches: Any) -> None:

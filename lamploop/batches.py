@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lamploop.checks import check_bool, check_int
+from lamploop.checks import check_bool, check_int, signature_of, takes_one_argument
 from lamploop.errors import ConfigurationError
 from lamploop.forked_children import (
     shut_down_at_exit,
@@ -194,10 +194,11 @@ def iterable_batches(make: Callable[[BatchContext], Iterable[Batch]]) -> BatchSt
     Raises:
         ConfigurationError: ``make`` is not callable (e.g. the list of batches itself).
     """
-    if not callable(make):
+    if not callable(make) or not takes_one_argument(make):
+        got = signature_of(make) if callable(make) else type(make).__name__
         msg = (
             f"iterable_batches: make must be a function of the batch context returning an iterable "
-            f"of batches, got {type(make).__name__}; e.g. iterable_batches(lambda context: batches)"
+            f"of batches, got {got}; e.g. iterable_batches(lambda context: batches)"
         )
         raise ConfigurationError(msg)
 

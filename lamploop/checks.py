@@ -15,6 +15,7 @@ lamploop.errors.ConfigurationError: max_epochs must be an int >= 0, got -1
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import pathlib
@@ -35,6 +36,7 @@ __all__ = [
     "check_int",
     "check_mapping",
     "check_names",
+    "check_parents",
     "check_positive",
     "check_schedule",
     "check_seconds",
@@ -43,6 +45,8 @@ __all__ = [
     "optional_int_at_least",
     "optional_seconds",
     "seconds",
+    "signature_of",
+    "takes_one_argument",
 ]
 
 
@@ -70,6 +74,25 @@ def check_mapping(name: str, value: object) -> Mapping[Any, Any]:
         msg = f"{name} must be a mapping (a dict), got {type(value).__name__} {value!r:.40}"
         raise ConfigurationError(msg)
     return value
+
+
+def takes_one_argument(function: Any) -> bool:
+    """Whether ``function(x)`` binds (``True`` too when the signature cannot be read)."""
+    try:
+        inspect.signature(function).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a readable signature: it will say so when called
+        return True
+    return True
+
+
+def signature_of(function: Any) -> str:
+    """``function``'s name and signature, for a message."""
+    try:
+        return f"{getattr(function, '__qualname__', type(function).__name__)}{inspect.signature(function)}"
+    except (TypeError, ValueError):
+        return type(function).__name__
 
 
 def check_bool(name: str, value: object) -> None:
@@ -103,6 +126,9 @@ def check_path(name: str, value: object) -> pathlib.Path:
     if not isinstance(value, str | os.PathLike):
         msg = f"{name} must be a str or a pathlib.Path, got {type(value).__name__}"
         raise ConfigurationError(msg)
+    if os.fspath(value) in ("", b""):  # pathlib would take it for the current directory
+        msg = f"{name} is an empty path; say where, e.g. 'runs/first' ('.' for the current directory)"
+        raise ConfigurationError(msg)
     return pathlib.Path(value)
 
 
@@ -112,7 +138,18 @@ def check_directory(name: str, value: object) -> pathlib.Path:
     if path.exists() and not path.is_dir():
         msg = f"{name} {str(path)!r} is a file, not a directory"
         raise ConfigurationError(msg)
+    check_parents(name, path)
     return path
+
+
+def check_parents(name: str, path: pathlib.Path) -> None:
+    """ConfigurationError naming ``name`` when a parent of ``path`` is a file: nothing can be made there."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                msg = f"{name} {str(path)!r} lies under {str(parent)!r}, which is a file, not a directory"
+                raise ConfigurationError(msg)
+            return
 
 
 def check_epochs_container(name: str, value: object) -> None:

@@ -129,6 +129,10 @@ def _metrics(value: object) -> dict[str, Metric]:
                 f"under a str name, got {type(metric).__name__}"
             )
             raise ConfigurationError(msg)
+        if not name.strip() or name == "loss":
+            why = "is empty" if not name.strip() else "is the loss's own name (the loss columns')"
+            msg = f"SupervisedModel: the metric name {name!r} {why}; name it, e.g. 'accuracy'"
+            raise ConfigurationError(msg)
     return dict(value)
 
 

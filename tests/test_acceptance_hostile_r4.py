@@ -58,6 +58,10 @@ def _raiser(*_: Any, **__: Any) -> Any:
     raise Boom("boom from the user's callback")
 
 
+async def _async_raiser(*_: Any, **__: Any) -> Any:
+    raise Boom("boom from the user's callback")
+
+
 def _module() -> torch.nn.Module:
     torch.manual_seed(1)
     return torch.nn.Linear(4, 2)
@@ -832,7 +836,7 @@ CASES = [
     case(
         "drive reporters holds an object", lambda _: _drive(reporters=[_NotAReporter()]), "reporters\\[0\\]"
     ),
-    case("drive checkpoint_state raises", lambda _: _drive(checkpoint_state=_raiser), "boom", Boom),
+    case("drive checkpoint_state raises", lambda _: _drive(checkpoint_state=_async_raiser), "boom", Boom),
     case(
         "drive checkpoint_state not async",
         lambda _: _drive(checkpoint_state=lambda state, schedule_state: None),

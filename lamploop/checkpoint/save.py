@@ -63,6 +63,31 @@ def check_keep_last(keep_last: int | None, where: str) -> None:
         raise ConfigurationError(msg)
 
 
+def _check_parts(position: object, rank_rngs: object, extras: object, rng: object) -> None:
+    """``save_checkpoint``'s optional parts, each of its type (a raw error from deep inside before)."""
+    if position is not None and not isinstance(position, EpochPosition):
+        msg = f"save_checkpoint: position must be an EpochPosition or None, got {type(position).__name__}"
+        raise ConfigurationError(msg)
+    if rng is not None and not isinstance(rng, RngStates):
+        msg = (
+            f"save_checkpoint: rng must be RngStates (RngStates.capture()) or None, got {type(rng).__name__}"
+        )
+        raise ConfigurationError(msg)
+    if (
+        isinstance(rank_rngs, str | bytes)
+        or not isinstance(rank_rngs, Sequence)
+        or not all(isinstance(rngs, RngStates) for rngs in rank_rngs)
+    ):
+        msg = f"save_checkpoint: rank_rngs must be a sequence of RngStates, got {rank_rngs!r:.60}"
+        raise ConfigurationError(msg)
+    if extras is not None and not isinstance(extras, Mapping):
+        msg = (
+            "save_checkpoint: extras must be a mapping of names to (tensors, meta) states or None, "
+            f"got {type(extras).__name__}"
+        )
+        raise ConfigurationError(msg)
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     state: LoopStateWithModelAndOptimizerData,
@@ -128,6 +153,7 @@ def save_checkpoint(
         msg = f"save_checkpoint: state.loop_state.epoch must be an int >= 0, got {epoch!r}"
         raise ConfigurationError(msg)
     root = check_directory("save_checkpoint: directory", directory)
+    _check_parts(position, rank_rngs, extras, rng)
     if position is not None and position.epoch != epoch:
         msg = f"save_checkpoint: position.epoch={position.epoch} but state.loop_state.epoch={epoch}"
         raise ConfigurationError(msg)

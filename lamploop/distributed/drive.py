@@ -51,6 +51,7 @@ from lamploop.distributed.replica import (
 from lamploop.distributed.root_epochs import CheckpointPosition, RootEpochs
 from lamploop.distributed.root_setup import (
     OptimizerFactory,
+    check_resume_point,
     check_root_arguments,
     install_result,
     set_up_root,
@@ -251,6 +252,7 @@ async def drive_distributed_training(
             "instead of checkpoint_state=checkpointer"
         )
         raise ConfigurationError(msg)
+    check_resume_point(checkpoint_position, init_position, init_rank_rngs, stop)
     check_root_arguments(nranks, control, init_position)
     emit = EventEmitter(reporters)
     start_epoch = init_state.loop_state.epoch if init_state is not None else 0

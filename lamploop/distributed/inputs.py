@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lamploop.checks import check_callable
+from lamploop.checks import check_callable, signature_of, takes_one_argument
 from lamploop.errors import ConfigurationError
 from lamploop.model import check_model
 from lamploop.state import LoopStateWithModelAndOptimizerData, check_loop_state
@@ -39,11 +39,11 @@ def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool =
     if factory is None and optional:
         return
     if callable(factory) and not isinstance(factory, torch.Tensor | torch.nn.Module):
-        if not _takes_one_argument(factory):
+        if not takes_one_argument(factory):
             msg = (
                 f"{where}: {name} must take the batch context (one positional argument: a "
                 f"lamploop.BatchContext with epoch, rank, nranks), but its signature is "
-                f"{_signature(factory)}; e.g. lambda context: stream_for(context.epoch)"
+                f"{signature_of(factory)}; e.g. lambda context: stream_for(context.epoch)"
             )
             raise ConfigurationError(msg)
         return
@@ -59,24 +59,6 @@ def check_batch_factory(where: str, name: str, factory: Any, *, optional: bool =
         f"got {kind}; make one with {hint}"
     )
     raise ConfigurationError(msg)
-
-
-def _takes_one_argument(factory: Any) -> bool:
-    """Whether ``factory(context)`` binds (``True`` too when the signature cannot be read)."""
-    try:
-        inspect.signature(factory).bind(None)
-    except TypeError:
-        return False
-    except ValueError:  # a builtin without a readable signature: it will say so when called
-        return True
-    return True
-
-
-def _signature(factory: Any) -> str:
-    try:
-        return f"{getattr(factory, '__qualname__', type(factory).__name__)}{inspect.signature(factory)}"
-    except (TypeError, ValueError):
-        return type(factory).__name__
 
 
 def check_reporters(where: str, reporters: Any) -> None:
@@ -168,3 +150,21 @@ def check_resume_arguments(where: str, init_state: object, checkpoint_state: obj
     if init_state is not None:
         check_loop_state(f"{where}: init_state.loop_state", init_state.loop_state)
     check_callable(f"{where}: checkpoint_state", checkpoint_state, optional=True)
+    if checkpoint_state is not None and not _may_be_async(checkpoint_state):
+        name = getattr(checkpoint_state, "__qualname__", type(checkpoint_state).__name__)
+        msg = (
+            f"{where}: checkpoint_state {name} is not an async function: it is awaited after every "
+            "epoch; make it one (async def save(state, schedule_state): ...)"
+        )
+        raise ConfigurationError(msg)
+
+
+def _may_be_async(function: object) -> bool:
+    """False only for a plain function or method (or an object whose ``__call__`` is one) that is
+    no coroutine function; anything else (a partial, a builtin) is judged when called."""
+    target = function
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(function).__dict__.get("__call__")  # a class's own plain __call__, if any
+        if not inspect.isfunction(target):
+            return True
+    return inspect.iscoroutinefunction(target)

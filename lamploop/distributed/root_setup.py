@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from lamploop.averaging import install_average
 from lamploop.batches import BatchContext, BatchStreamFactory
-from lamploop.checkpoint import restore_optimizer_state
+from lamploop.checkpoint import RngStates, restore_optimizer_state
+from lamploop.checks import check_callable
 from lamploop.control.commands import ControlRoot
 from lamploop.distributed.inputs import check_control_size
 from lamploop.distributed.replica import Replica, learning_rates
@@ -21,6 +22,36 @@ from lamploop.state import LoopStateWithModelAndOptimizerData
 __all__ = ["OptimizerFactory", "check_root_arguments", "install_result", "set_up_root"]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def check_resume_point(
+    checkpoint_position: object, init_position: object, init_rank_rngs: object, stop: object
+) -> None:
+    """The root's keywords of step-boundary checkpoints and stops, checked before anything starts."""
+    where = "drive_distributed_training"
+    check_callable(f"{where}: checkpoint_position", checkpoint_position, optional=True)
+    if init_position is not None and not isinstance(init_position, EpochPosition):
+        msg = (
+            f"{where}: init_position must be an EpochPosition (a step-boundary checkpoint's "
+            f".position) or None, got {type(init_position).__name__}"
+        )
+        raise ConfigurationError(msg)
+    if (
+        isinstance(init_rank_rngs, str | bytes)
+        or not isinstance(init_rank_rngs, Sequence)
+        or not all(isinstance(rngs, RngStates) for rngs in init_rank_rngs)
+    ):
+        msg = (
+            f"{where}: init_rank_rngs must be a sequence of RngStates (a step-boundary checkpoint's "
+            f".rank_rngs), got {init_rank_rngs!r:.60}"
+        )
+        raise ConfigurationError(msg)
+    if stop is not None and not callable(getattr(stop, "is_set", None)):
+        msg = (
+            f"{where}: stop must be a lamploop.distributed.StopRequest (or anything with is_set()) "
+            f"or None, got {type(stop).__name__}"
+        )
+        raise ConfigurationError(msg)
 
 
 def check_root_arguments(

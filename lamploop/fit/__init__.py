@@ -34,10 +34,11 @@ from lamploop.arguments import (
     check_model,
     check_optimizer_factory,
     check_reporters,
+    check_selection_needs_validation,
     check_sharded_strategy,
     check_stateful_strategy,
 )
-from lamploop.averaging import Averaging
+from lamploop.averaging import Averaging, check_averaging_starts
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.resume import resume_root
@@ -230,6 +231,8 @@ async def fit_async(
         check_early_stopping("fit", early_stopping_patience, validation_batches)
         settings = TrainingSettings.from_arguments(locals())
         check_selection_metric("fit", settings.model_selection_metric, model)
+        check_selection_needs_validation("fit", settings, validation_batches)
+        check_averaging_starts("fit", settings.averaging, settings.max_epochs)
         check_sharded_strategy("fit", settings)  # before any rank starts
         extras = check_checkpointing("fit", settings, checkpoint_dir, checkpoint_extras)
         check_keep_last(keep_last, "fit")  # before any reporter starts (the checkpointer checks too late)

@@ -19,8 +19,12 @@ from lamploop.model import SupervisedModel
 __all__ = ["NONE_BATCH", "check_finite", "check_stream", "loss_of", "prepare", "where"]
 
 
-def where(epoch: int | None, batch: int, rank: int) -> str:
+def where(epoch: int | None, batch: int, rank: int, stream: str = "") -> str:
+    """``epoch 3, batch 7`` (``epoch 3, batch 7 (validation)`` when ``stream`` says so), and the
+    rank when it is not 0."""
     place = f"batch {batch}" if epoch is None else f"epoch {epoch}, batch {batch}"
+    if stream:
+        place += f" ({stream})"
     return place if rank == 0 else f"{place} on rank {rank}"
 
 
@@ -41,11 +45,14 @@ class _NoneBatch:
 NONE_BATCH: Final = _NoneBatch()
 
 
-def prepare(item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int) -> Batch:
-    """Check one batch and move it to ``device``; errors name the epoch, batch and rank."""
+def prepare(
+    item: Any, device: torch.device | None, epoch: int | None, index: int, rank: int, stream: str = ""
+) -> Batch:
+    """Check one batch and move it to ``device``; errors name the epoch, batch and rank (and the
+    ``stream``, ``"validation"`` for a validation pass's)."""
 
     def place() -> str:
-        return where(epoch, index, rank)
+        return where(epoch, index, rank, stream)
 
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         got = "NoneType" if item is NONE_BATCH else type(item).__name__
@@ -70,7 +77,7 @@ def prepare(item: Any, device: torch.device | None, epoch: int | None, index: in
 
 
 def loss_of(
-    model: SupervisedModel, batch: Batch, epoch: int | None, index: int, rank: int
+    model: SupervisedModel, batch: Batch, epoch: int | None, index: int, rank: int, stream: str = ""
 ) -> tuple[torch.Tensor, int, Sequence[tuple[torch.Tensor, int]]]:
     """The model's loss sum, example count and metrics on one batch; an error inside names the batch."""
     values: Sequence[tuple[torch.Tensor, int]]
@@ -85,7 +92,7 @@ def loss_of(
         # e.g. a target of the wrong dtype for the loss, a metric dividing by zero: the error's
         # message, and where it happened
         failed = "the model, its loss or a metric" if model.metrics else "the model or its loss"
-        msg = f"{where(epoch, index, rank)}: {failed} failed: {type(exc).__name__}: {exc}"
+        msg = f"{where(epoch, index, rank, stream)}: {failed} failed: {type(exc).__name__}: {exc}"
         raise BatchError(msg) from exc
     if torch.is_grad_enabled() and not loss_sum.requires_grad:
         # A training pass (validation runs under no_grad): backward would fail with torch's
@@ -125,7 +132,13 @@ def _to_device(features: Any, device: torch.device) -> Any:
 
 
 def check_finite(
-    losses: Sequence[torch.Tensor], total: float, epoch: int | None, rank: int, *, first_index: int = 0
+    losses: Sequence[torch.Tensor],
+    total: float,
+    epoch: int | None,
+    rank: int,
+    *,
+    first_index: int = 0,
+    stream: str = "",
 ) -> None:
     """Raise NonFiniteLossError naming the first bad batch (``losses[0]`` is batch ``first_index``)."""
     if math.isfinite(total):
@@ -137,7 +150,7 @@ def check_finite(
     )
     if bad:
         index = first_index + bad[0]
-        msg = f"{where(epoch, index, rank)}: the loss is {float(losses[bad[0]])}"
+        msg = f"{where(epoch, index, rank, stream)}: the loss is {float(losses[bad[0]])}"
         raise NonFiniteLossError(msg, epoch=epoch, batch=index)
     place = "" if epoch is None else f" of epoch {epoch}"
     msg = f"the mean loss{place} is {total}: a non-finite loss came from another rank"

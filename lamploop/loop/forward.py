@@ -21,12 +21,12 @@ class Forward:
         self.model, self.precision, self.device = model, precision, device
 
     def __call__(
-        self, batch: Any, epoch: int | None, index: int, rank: int
+        self, batch: Any, epoch: int | None, index: int, rank: int, stream: str = ""
     ) -> tuple[torch.Tensor, int, Sequence[tuple[torch.Tensor, int]]]:
         if self.precision == "32":
-            return loss_of(self.model, batch, epoch, index, rank)
+            return loss_of(self.model, batch, epoch, index, rank, stream)
         with autocast(self.precision, self.device):
-            return loss_of(self.model, batch, epoch, index, rank)
+            return loss_of(self.model, batch, epoch, index, rank, stream)
 
 
 def device_of(module: torch.nn.Module) -> torch.device:

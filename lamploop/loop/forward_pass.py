@@ -24,6 +24,8 @@ from lamploop.sync.fsdp import is_sharded
 
 __all__ = ["forward_pass", "padded"]
 
+_STREAM = "validation"  # a forward-only pass's batches, as its errors name them
+
 
 async def forward_pass(
     forward: Forward,
@@ -63,7 +65,8 @@ async def _forward_pass(
         # Gradient mode is per thread: switched off around the forward only, never across an
         # await, where another task of this event loop (a second model training) may run.
         with torch.no_grad():
-            loss_sum, n, values = forward(prepare(item, device, epoch, index, rank), epoch, index, rank)
+            batch = prepare(item, device, epoch, index, rank, _STREAM)
+            loss_sum, n, values = forward(batch, epoch, index, rank, _STREAM)
         if metrics:
             metrics.add(values)
         losses.append(loss_sum.detach())
@@ -78,7 +81,7 @@ async def _forward_pass(
     )
     if cuts > 0:  # the pass's loss is discarded: no check of it
         return total, global_count, metric_totals, True
-    check_finite(losses, total, epoch, rank)
+    check_finite(losses, total, epoch, rank, stream=_STREAM)
     return total, global_count, metric_totals, False if stops > 0 else None
 
 
@@ -115,5 +118,5 @@ async def padded(
                 forward(stand_in, epoch, 0, channel.rank)
             continue
         if stand_in is None:
-            stand_in = prepare(item, device, epoch, 0, channel.rank)
+            stand_in = prepare(item, device, epoch, 0, channel.rank, _STREAM)
         yield item

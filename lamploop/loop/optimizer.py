@@ -45,12 +45,29 @@ def make_optimizer(
             message names ``where`` and says what to pass.
     """
     check_takes_parameters(factory, where=where)
-    optimizer = factory(parameters)
+    given = list(parameters)
+    optimizer = factory(given)
     if isinstance(optimizer, torch.optim.Optimizer):
+        _check_steps_these(optimizer, given, where)
         return optimizer
     if optimizer is None:
         problem = "returned None (a forgotten return?)"
     else:
         problem = f"returned a {type(optimizer).__name__}, not a torch.optim.Optimizer"
     msg = f"{where}: optimizer_factory {problem}; return the optimizer it makes ({_EXAMPLE})"
+    raise ConfigurationError(msg)
+
+
+def _check_steps_these(optimizer: torch.optim.Optimizer, given: list[Any], where: str) -> None:
+    """The optimizer holds some of the parameters it was given: one made over another model's
+    (a factory that ignores its argument) would train nothing, silently."""
+    ids = {id(p) for p in given if isinstance(p, torch.Tensor)}
+    if not ids:
+        return
+    if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+        return
+    msg = (
+        f"{where}: optimizer_factory returned an optimizer over none of the parameters it was given "
+        f"(does it ignore its argument?); make it from them ({_EXAMPLE})"
+    )
     raise ConfigurationError(msg)

@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from lamploop.checks import check_path
+from lamploop.checks import check_parents, check_path
 from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import EpochFinished, Event
 
@@ -137,6 +137,7 @@ class MetricsFileReporter:
             msg = f"MetricsFileReporter: format must be 'csv' or 'jsonl', got {format!r}"
             raise ConfigurationError(msg)
         self.format: Literal["csv", "jsonl"] = format
+        check_parents("MetricsFileReporter: path", self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._existing_header: list[str] | None = None
         needs_newline = False
@@ -147,6 +148,15 @@ class MetricsFileReporter:
             if format == "csv":
                 with self.path.open(newline="", encoding="utf-8") as f:
                     self._existing_header = next(csv.reader(f), [])
+                if self._existing_header[: len(BASE_COLUMNS)] != list(BASE_COLUMNS):
+                    # Not a metrics file of lamploop's: its rows would be refused at the first
+                    # epoch's end (logged, the run going on and every row lost); say so now.
+                    msg = (
+                        f"MetricsFileReporter: {str(self.path)!r} has the header "
+                        f"{','.join(self._existing_header)!r}, not a metrics file's "
+                        f"({','.join(BASE_COLUMNS)},...): write to another file"
+                    )
+                    raise ConfigurationError(msg)
         self._file: TextIO | None = self.path.open(
             "a", newline="" if format == "csv" else None, encoding="utf-8"
         )

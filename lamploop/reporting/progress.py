@@ -30,6 +30,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from lamploop.checks import check_bool
 from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     EpochFinished,
@@ -145,6 +146,11 @@ class ProgressReporter:
             what = type(file).__name__
             msg = f"ProgressReporter: file must be a text stream with write() (e.g. sys.stderr), got {what}"
             raise ConfigurationError(msg)
+        if getattr(file, "closed", False) is True:
+            msg = "ProgressReporter: file is closed; give an open text stream (e.g. sys.stderr)"
+            raise ConfigurationError(msg)
+        if terminal is not None:
+            check_bool("ProgressReporter: terminal", terminal)
         if refresh_per_second is not None and not refresh_per_second > 0:
             msg = f"ProgressReporter: refresh_per_second must be > 0, got {refresh_per_second!r}"
             raise ConfigurationError(msg)

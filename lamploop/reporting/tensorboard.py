@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lamploop.checks import check_path
+from lamploop.checks import check_directory
 from lamploop.errors import ConfigurationError
 from lamploop.reporting.events import (
     CheckpointWritten,
@@ -85,7 +85,7 @@ class TensorBoardReporter:
         if not flush_secs > 0:
             msg = f"TensorBoardReporter: flush_secs must be > 0, got {flush_secs!r}"
             raise ConfigurationError(msg)
-        self.log_dir = check_path("TensorBoardReporter: log_dir", log_dir)
+        self.log_dir = check_directory("TensorBoardReporter: log_dir", log_dir)
         self.flush_secs = float(flush_secs)
         self._writer: SummaryWriter | None = None
         self._closed = False

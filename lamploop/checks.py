@@ -147,7 +147,7 @@ def check_parents(name: str, path: pathlib.Path) -> None:
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                msg = f"{name} {str(path)!r} lies under {str(parent)!r}, which is a file, not a directory"
+                msg = f"{name} {path}: {parent} is a file, not a directory; nothing can be made under it"
                 raise ConfigurationError(msg)
             return
 

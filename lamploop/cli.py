@@ -192,6 +192,7 @@ def _federated(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from lamploop.checks import check_parents
     from lamploop.demo import demo_config, train_demo
 
     given = {
@@ -207,10 +208,11 @@ def _demo(args: argparse.Namespace) -> int:
         if value is not None
     }
     directory = args.resume if args.resume is not None else (args.out or Path("runs/demo"))
+    flag = "--resume" if args.resume is not None else "--out"
     if directory.exists() and not directory.is_dir():
-        flag = "--resume" if args.resume is not None else "--out"
         msg = f"{flag} {directory}: exists and is not a directory; name a directory for the run"
         raise ConfigurationError(msg)
+    check_parents(flag, directory)
     config = demo_config(directory, given, resume=args.resume is not None)
     train_demo(config, directory)
     return EXIT_OK
@@ -286,6 +288,9 @@ def _lr_find(args: argparse.Namespace) -> int:
 
 def _make_parent(output: Path) -> None:
     """Create the directory ``-o`` names a file in, as ``demo --out`` creates its run directory."""
+    if output.is_dir():
+        msg = f"-o {output}: is a directory; name the PNG file to write (e.g. {output / 'plot.png'})"
+        raise ConfigurationError(msg)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

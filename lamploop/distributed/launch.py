@@ -530,6 +530,10 @@ async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _E
         result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
     if process.cancelled_caught:
         return
+    if result.returncode == 0 and ending.lost is not None and ending.joined is not None:
+        if rank not in ending.joined():  # it ended without joining (not the run's script?): no wait
+            ending.lost(rank, "died", f"exited with status 0 before it joined the run: {' '.join(argv)}")
+        return
     if result.returncode != 0:
         if ending.root_failed:
             logger.info("rank %d exited with status %d after the root failed", rank, result.returncode)

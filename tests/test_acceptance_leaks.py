@@ -91,13 +91,6 @@ NET_SCENARIOS = [
     "federated_node_gone",
 ]
 
-WORLD2_LEAK = (
-    "DEFECT: after a fit(world_size=2) that fails (on rank 1 or on rank 0) rank 0's process keeps the run's "
-    "torch.distributed process group alive: native threads pt_tcpstore_uv, gloo_tcp_loop and 2 x "
-    "pt_gloo_runloop, the TCPStore's listening port on 127.0.0.1 (1-2 listening ports), ~13 fds (io_uring, "
-    "eventpoll, eventfd, pipes, sockets); more after each failed run. A run that ends normally leaves none"
-)
-
 
 # --------------------------------------------------------------------------- the group processes
 
@@ -335,8 +328,8 @@ def test_fit_on_one_rank_leaves_nothing(fit_group: tuple[dict[str, Any], str], s
     "scenario",
     [
         "world2_normal",
-        pytest.param("world2_rank1_fails", marks=pytest.mark.xfail(strict=True, reason=WORLD2_LEAK)),
-        pytest.param("world2_rank0_fails", marks=pytest.mark.xfail(strict=True, reason=WORLD2_LEAK)),
+        "world2_rank1_fails",
+        "world2_rank0_fails",
     ],
 )
 def test_fit_on_two_ranks_leaves_nothing(world2_group: tuple[dict[str, Any], str], scenario: str) -> None:

@@ -30,6 +30,21 @@ def test_version(tmp_path: Path) -> None:
     assert result.stdout.strip() == f"lamploop {lamploop.__version__}"
 
 
+def test_python_dash_m_lamploop_is_the_command(tmp_path: Path) -> None:
+    """docs/cli.md: ``python -m lamploop`` is the same command (it said "No module named
+    lamploop.__main__" before; found by tests/test_acceptance_leaks.py's author)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lamploop", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"lamploop {lamploop.__version__}"
+
+
 def test_a_failed_run_is_one_line_on_stderr_and_status_1(tmp_path: Path) -> None:
     result = _run(["demo", "--world-size", "0", "--epochs", "1", "--out", str(tmp_path / "runs")], tmp_path)
     assert result.returncode == EXIT_FAILED, result.stderr

@@ -45,11 +45,16 @@ from lamploop.stopping import (
     share_stop_requests,
     stop_if_requested_before_training,
 )
+from lamploop.sync.abandon import reclaim_ended
 
 __all__ = ["Heartbeat", "Job", "default_reporter", "follow", "lead", "resumed_epoch"]
 
 # fit's logger (the one it had before this part moved here).
 logger = logging.getLogger("lamploop")
+
+RECLAIM_WAIT_S = 2.0
+"""How long a failed run whose followers this process started waits for what was in flight on its
+process group to end (the followers have exited: it fails at once) before leaving the group."""
 
 
 class Heartbeat(TypedDict):
@@ -179,6 +184,17 @@ async def lead(
             raise TrainingInterrupted(msg, epoch=epoch, steps_done=0, reason=job.stop.reason) from None
 
     async def drive() -> LoopState:
+        try:
+            return await drive_in_group()
+        finally:
+            # A failed run abandons its process group (lamploop.sync.abandon); the followers this
+            # process started have exited by now, ending what was in flight: release it, with its
+            # threads and its store's port, rather than keep it for the process's life.
+            with anyio.move_on_after(RECLAIM_WAIT_S if placement.env is None else 0.0):
+                while reclaim_ended():  # noqa: ASYNC110  (Gloo's threads end the work: no event)
+                    await anyio.sleep(0.05)
+
+    async def drive_in_group() -> LoopState:
         async with (
             open_root(
                 placement.env,

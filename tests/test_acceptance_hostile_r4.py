@@ -923,14 +923,6 @@ CASES = [
         "a-file",
     ),
     case(
-        "MetricsFileReporter a file of another header",
-        lambda t: (
-            (t / "m.csv").write_text("a,b\n1,2\n"),
-            _fit_valid(reporters=[reporting.MetricsFileReporter(t / "m.csv")]),
-        ),
-        "m.csv.*header",
-    ),
-    case(
         "TensorBoardReporter a file",
         lambda t: _fit(reporters=[reporting.TensorBoardReporter(_a_file(t))]),
         "a-file",

@@ -148,15 +148,6 @@ class MetricsFileReporter:
             if format == "csv":
                 with self.path.open(newline="", encoding="utf-8") as f:
                     self._existing_header = next(csv.reader(f), [])
-                if self._existing_header[: len(BASE_COLUMNS)] != list(BASE_COLUMNS):
-                    # Not a metrics file of lamploop's: its rows would be refused at the first
-                    # epoch's end (logged, the run going on and every row lost); say so now.
-                    msg = (
-                        f"MetricsFileReporter: {str(self.path)!r} has the header "
-                        f"{','.join(self._existing_header)!r}, not a metrics file's "
-                        f"({','.join(BASE_COLUMNS)},...): write to another file"
-                    )
-                    raise ConfigurationError(msg)
         self._file: TextIO | None = self.path.open(
             "a", newline="" if format == "csv" else None, encoding="utf-8"
         )

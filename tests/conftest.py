@@ -48,6 +48,7 @@ SOAK_MODULES = frozenset(
     {
         "test_acceptance_docs_launch",
         "test_acceptance_docs_reliability",
+        "test_acceptance_leaks",
         "test_acceptance_no_hangs",
         "test_acceptance_no_hangs_r2",
         "test_follower_failures",
@@ -65,7 +66,9 @@ end (test_acceptance_no_hangs: 110 s; its second round, federated runs, pipeline
 the control channel: 4-5 minutes alone).  With the signals to DataLoader workers
 (test_stop_dataloader), the SIGKILLed stream trainer (test_stream_resume) and the followers that
 fail as they start (test_follower_failures), 140 s more of the suite's 1,650 s of test time
-(2026-11-29), whose wall time had reached 10:24 on 3 workers."""
+(2026-11-29), whose wall time had reached 10:24 on 3 workers.  What a run leaves behind
+(test_acceptance_leaks: processes of a dozen runs each) went there too: its first group took
+45 s of the suite in CI run 18, which ran 8:48 on a slow day."""
 
 
 SLOWEST_MODULES = (

@@ -206,14 +206,16 @@ async def watching(stream: object) -> AsyncIterator[None]:
     if not isinstance(stream, _StopAware) or stream._watched:
         yield
         return
-    failure: Exception | None = None
+    failure: BaseException | None = None
     async with anyio.create_task_group() as watcher:
         watcher.start_soon(stream.watch)
         stream._watched = True
         try:
             yield
-        except Exception as exc:  # raised as it is, below: the task group would wrap it in a group
-            failure = exc
+        except anyio.get_cancelled_exc_class():
+            raise  # the task group's own business
+        except BaseException as exc:  # raised as it is, below (SystemExit, KeyboardInterrupt too):
+            failure = exc  # the task group would wrap it in a group
         finally:
             stream._watched = False
             watcher.cancel_scope.cancel()
@@ -257,13 +259,15 @@ class _StopAwareIterator:
     async def _watched_alone(self) -> tuple[Any, anyio.CancelScope]:
         """The next item, its wait watched by a task of its own (iterated outside a pass)."""
         item: Any = _NOTHING
-        failure: Exception | None = None
+        failure: BaseException | None = None
         with anyio.CancelScope() as wait:
             async with anyio.create_task_group() as watch:
                 watch.start_soon(_cancel_on_stop, self._stream._stop, self._stream.grace, wait)
                 try:
                     item = await anext(self._inner, _NOTHING)
-                except Exception as exc:  # raised below: the task group would wrap it in a group
+                except anyio.get_cancelled_exc_class():
+                    raise
+                except BaseException as exc:  # raised below: the task group would wrap it in a group
                     failure = exc
                 watch.cancel_scope.cancel()
         if failure is not None:

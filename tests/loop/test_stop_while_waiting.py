@@ -368,6 +368,27 @@ async def test_a_watched_pass_raises_its_streams_error_as_it_is() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+async def test_a_watched_pass_raises_a_base_exception_as_it_is(kind: type[BaseException]) -> None:
+    """A ``KeyboardInterrupt`` or ``SystemExit`` in a watched stream reaches the caller as it is:
+    a follower names it ("the follower of rank 1 failed: SystemExit"), not an exception group
+    (tests/test_acceptance_no_hangs.py found that in CI)."""
+    stop = StopRequest()
+
+    async def interrupted(_context: lamploop.BatchContext) -> AsyncIterator[Any]:
+        raise kind()
+        yield  # an async generator
+
+    factory = stop_aware_batches(lambda context: interrupted(context), stop)
+    stream = factory(lamploop.BatchContext(0))
+    with pytest.raises(kind):
+        async with watching(stream):
+            await anext(aiter(stream))
+    with pytest.raises(kind):  # iterated outside a pass: the same
+        await anext(aiter(factory(lamploop.BatchContext(0))))
+
+
+@pytest.mark.anyio
 async def test_lamploops_in_memory_streams_are_not_wrapped_and_ending_ones_are() -> None:
     stop = StopRequest()
     plain = lamploop.tensor_batches(torch.zeros(4, 2), torch.zeros(4), batch_size=2)

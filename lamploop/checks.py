@@ -19,7 +19,7 @@ import inspect
 import math
 import os
 import pathlib
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +33,7 @@ __all__ = [
     "check_device",
     "check_directory",
     "check_epochs_container",
+    "check_host",
     "check_int",
     "check_mapping",
     "check_names",
@@ -40,6 +41,7 @@ __all__ = [
     "check_positive",
     "check_schedule",
     "check_seconds",
+    "check_sequence_of",
     "check_smoothing",
     "int_at_least",
     "optional_int_at_least",
@@ -66,6 +68,27 @@ def check_names(name: str, value: object) -> list[object]:
         msg = f"{name} must be a list of names{hint}, got {type(value).__name__} {value!r:.40}"
         raise ConfigurationError(msg)
     return list(value)
+
+
+def check_sequence_of(name: str, value: object, kind: type, hint: str = "") -> None:
+    """ConfigurationError naming ``name`` unless ``value`` is a sequence (not a string) of ``kind``."""
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or not all(isinstance(item, kind) for item in value)
+    ):
+        msg = f"{name} must be a sequence of {kind.__name__}{hint}, got {value!r:.60}"
+        raise ConfigurationError(msg)
+
+
+def check_host(name: str, value: object, *, optional: bool = False) -> None:
+    """ConfigurationError naming ``name`` unless ``value`` is a non-empty str (``None`` too when
+    ``optional``)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        msg = f"{name} must be a host name or address (a non-empty str), got {value!r:.40}"
+        raise ConfigurationError(msg)
 
 
 def check_mapping(name: str, value: object) -> Mapping[Any, Any]:

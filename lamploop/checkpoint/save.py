@@ -43,7 +43,7 @@ from lamploop.checkpoint.format import (
 )
 from lamploop.checkpoint.rng import RngStates, _rng_to_disk, _RngRecord
 from lamploop.checkpoint.sharded import ShardedModelState
-from lamploop.checks import check_directory
+from lamploop.checks import check_directory, check_sequence_of
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.boundary import EpochPosition
 from lamploop.modelspec import model_spec
@@ -73,13 +73,7 @@ def _check_parts(position: object, rank_rngs: object, extras: object, rng: objec
             f"save_checkpoint: rng must be RngStates (RngStates.capture()) or None, got {type(rng).__name__}"
         )
         raise ConfigurationError(msg)
-    if (
-        isinstance(rank_rngs, str | bytes)
-        or not isinstance(rank_rngs, Sequence)
-        or not all(isinstance(rngs, RngStates) for rngs in rank_rngs)
-    ):
-        msg = f"save_checkpoint: rank_rngs must be a sequence of RngStates, got {rank_rngs!r:.60}"
-        raise ConfigurationError(msg)
+    check_sequence_of("save_checkpoint: rank_rngs", rank_rngs, RngStates)
     if extras is not None and not isinstance(extras, Mapping):
         msg = (
             "save_checkpoint: extras must be a mapping of names to (tensors, meta) states or None, "

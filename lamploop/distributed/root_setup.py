@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
 from lamploop.averaging import install_average
 from lamploop.batches import BatchContext, BatchStreamFactory
 from lamploop.checkpoint import RngStates, restore_optimizer_state
-from lamploop.checks import check_callable
+from lamploop.checks import check_callable, check_sequence_of
 from lamploop.control.commands import ControlRoot
 from lamploop.distributed.inputs import check_control_size
 from lamploop.distributed.replica import Replica, learning_rates
@@ -36,16 +36,8 @@ def check_resume_point(
             f".position) or None, got {type(init_position).__name__}"
         )
         raise ConfigurationError(msg)
-    if (
-        isinstance(init_rank_rngs, str | bytes)
-        or not isinstance(init_rank_rngs, Sequence)
-        or not all(isinstance(rngs, RngStates) for rngs in init_rank_rngs)
-    ):
-        msg = (
-            f"{where}: init_rank_rngs must be a sequence of RngStates (a step-boundary checkpoint's "
-            f".rank_rngs), got {init_rank_rngs!r:.60}"
-        )
-        raise ConfigurationError(msg)
+    hint = " (a step-boundary checkpoint's .rank_rngs)"
+    check_sequence_of(f"{where}: init_rank_rngs", init_rank_rngs, RngStates, hint)
     if stop is not None and not callable(getattr(stop, "is_set", None)):
         msg = (
             f"{where}: stop must be a lamploop.distributed.StopRequest (or anything with is_set()) "

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import anyio
 import torch
 
-from lamploop.checks import check_callable
+from lamploop.checks import check_callable, check_host
 from lamploop.errors import ConfigurationError, FederatedError
 from lamploop.federated.checkpoints import load_round_checkpoint
 from lamploop.federated.fedavg import averaged_names
@@ -151,9 +151,7 @@ async def run_aggregator(
     check_int_in("run_aggregator: port", port, 0, 65535)
     check_callable("run_aggregator: on_listening", on_listening, optional=True)
     check_callable("run_aggregator: on_round", on_round, optional=True)
-    if not isinstance(host, str) or not host:
-        msg = f"run_aggregator: host must be a host name or address (a non-empty str), got {host!r:.40}"
-        raise ConfigurationError(msg)
+    check_host("run_aggregator: host", host)
     model = _initial_state(initial_model, plan)
     names = _averaged_names(initial_model, plan)
     digest = plan_hash(plan)

@@ -40,6 +40,7 @@ import attrs
 import torch._dynamo  # noqa: F401
 
 from lamploop.batches import BatchStreamFactory
+from lamploop.checks import check_host
 from lamploop.errors import (
     BatchError,
     ConfigurationError,
@@ -139,10 +140,8 @@ async def run_node(
         msg = f"run_node: settings must be NodeSettings, got {type(settings).__name__}"
         raise ConfigurationError(msg)
     _check_builders(builders)
-    for what, value in (("host", host), ("server_hostname", server_hostname)):
-        if not (isinstance(value, str) and value) and not (value is None and what == "server_hostname"):
-            msg = f"run_node: {what} must be a host name or address (a non-empty str), got {value!r:.40}"
-            raise ConfigurationError(msg)
+    check_host("run_node: host", host)
+    check_host("run_node: server_hostname", server_hostname, optional=True)
     config = settings or NodeSettings()
     trainer = NodeTrainer(name, train_batches, validation_batches, builders)
     trained: list[int] = []

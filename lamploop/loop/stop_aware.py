@@ -126,7 +126,7 @@ def stop_aware_batches(factory: BatchStreamFactory, stop: StopFlag) -> BatchStre
 class _StopAware:
     """A stream whose waits end on a stop request, ``grace`` seconds after it (see the module)."""
 
-    grace: float = 0.0
+    grace: float  # each kind's own
 
     def __init__(self, inner: Any, stop: StopFlag) -> None:
         self._inner = inner

@@ -20,7 +20,7 @@ from typing import Final
 import attrs
 import torch.distributed as dist
 
-from lamploop.checks import check_int, check_seconds
+from lamploop.checks import check_host, check_int, check_seconds
 from lamploop.distributed.process_group import client_of_store
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.transport.settings import check_int_in
@@ -86,9 +86,7 @@ def open_pipeline_group(
         msg = f"open_pipeline_group: rank must be in 0..{world_size - 1}, got {rank}"
         raise ConfigurationError(msg)
     check_int_in("open_pipeline_group: port", port, 1, 65535)
-    if not isinstance(host, str) or not host:
-        msg = f"open_pipeline_group: host must be a host name or address (a non-empty str), got {host!r:.40}"
-        raise ConfigurationError(msg)
+    check_host("open_pipeline_group: host", host)
     seconds = check_seconds("open_pipeline_group: timeout", timeout)
     if join_timeout is None:
         join_seconds = max(seconds, DEFAULT_PIPELINE_TIMEOUT_S)

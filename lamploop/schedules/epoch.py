@@ -166,25 +166,28 @@ class FromEpochCount(_Stateless):
     f: Callable[[int], float]
 
     def factor(self, epoch: int) -> float:
-        name = getattr(self.f, "__qualname__", type(self.f).__name__)
         try:
             value = self.f(epoch)
         except LamploopError:
             raise
         except Exception as exc:  # a user's function: say which, and for which epoch
+            raised = f"{type(exc).__name__}: {exc}"
             msg = (
-                f"from_epoch_count: {name}({epoch}) raised {type(exc).__name__}: {exc}; f is asked for "
+                f"from_epoch_count: {self._name()}({epoch}) raised {raised}; f is asked for "
                 "every epoch from 0 to max_epochs, the last time at the stop (a table of factors "
                 "needs max_epochs + 1 entries)"
             )
             raise ConfigurationError(msg) from exc
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # e.g. a function without `return`
             msg = (
-                f"from_epoch_count: {name}({epoch}) returned {value!r:.60}, not a number; "
+                f"from_epoch_count: {self._name()}({epoch}) returned {value!r:.60}, not a number; "
                 "a factor must be a finite number (<= 0 ends training)"
             )
             raise ConfigurationError(msg)
         return float(value)
+
+    def _name(self) -> str:
+        return str(getattr(self.f, "__qualname__", type(self.f).__name__))
 
 
 def noop() -> Noop:

@@ -50,7 +50,7 @@ from types import TracebackType
 import anyio
 import anyio.abc
 
-from lamploop.checks import check_mapping, check_names
+from lamploop.checks import check_mapping
 from lamploop.errors import (
     ConfigurationError,
     StreamingError,
@@ -66,8 +66,8 @@ from lamploop.streaming.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_SEQ,
     PREAUTH_FRAME_BYTES,
-    check_producer_name,
 )
+from lamploop.streaming.wire_messages import checked_producer_name, checked_producer_names
 from lamploop.transport import tls
 from lamploop.transport.proofs import check_token
 from lamploop.transport.settings import check_int_in, check_seconds_each
@@ -180,14 +180,20 @@ class SampleReceiver(ReceiverServing):
         check_seconds_each(handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
         acked: dict[str, int] = {}
         for name, seq in check_mapping("acknowledged", acknowledged or {}).items():
-            _check_name("acknowledged", name)
+            checked_producer_name("acknowledged", name)
             check_int_in(f"acknowledged[{name!r}]", seq, -1, MAX_SEQ)
             acked[name] = seq
-        done = set(_names("producers_done", producers_done))
+        done = set(checked_producer_names("producers_done", producers_done))
         self._expected = (
-            None if expected_producers is None else _names("expected_producers", expected_producers)
+            None
+            if expected_producers is None
+            else frozenset(checked_producer_names("expected_producers", expected_producers))
         )
-        self._allowed = None if allowed_producers is None else _names("allowed_producers", allowed_producers)
+        self._allowed = (
+            None
+            if allowed_producers is None
+            else frozenset(checked_producer_names("allowed_producers", allowed_producers))
+        )
         if not isinstance(uniform_samples, bool):
             msg = f"uniform_samples must be a bool, got {type(uniform_samples).__name__}"
             raise ConfigurationError(msg)
@@ -409,17 +415,3 @@ class SampleReceiver(ReceiverServing):
         intake = self._intake
         if self._expected is not None and self._expected <= intake.done | intake.refused.keys():
             self._set_on_owner(self._all_done_or_failed)
-
-
-def _names(where: str, names: object) -> frozenset[str]:
-    """A collection of producer names (not one string), each checked."""
-    return frozenset(_check_name(where, name) for name in check_names(where, names))
-
-
-def _check_name(where: str, name: object) -> str:
-    reason = check_producer_name(name)
-    if reason is not None:
-        msg = f"{where}: {reason}"
-        raise ConfigurationError(msg)
-    assert isinstance(name, str)
-    return name

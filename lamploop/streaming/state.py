@@ -43,12 +43,12 @@ import torch
 
 from lamploop.checkpoint.extras import rank_extra_name
 from lamploop.checkpoint.load import latest_checkpoint, load_checkpoint
-from lamploop.checks import check_int, check_names
+from lamploop.checks import check_int
 from lamploop.distributed.launch import launch_env
 from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.streaming.buffers import StreamBuffer
 from lamploop.streaming.receiver import SampleReceiver
-from lamploop.streaming.wire import check_producer_name
+from lamploop.streaming.wire_messages import checked_producer_names
 
 __all__ = ["STREAM_EXTRA", "StreamState", "producer_rank", "producers_of_rank"]
 
@@ -123,7 +123,7 @@ class StreamState:
         if self.receiver is not None:
             msg = f"stream state {self.name!r}: open_receiver was called before; a stream has one receiver"
             raise ConfigurationError(msg)
-        names = [str(_producer_name(name)) for name in check_names("open_receiver: producers", producers)]
+        names = checked_producer_names("open_receiver: producers", producers)
         check_int("open_receiver: nranks", nranks, 1)
         rank = _this_rank(rank)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
@@ -296,14 +296,6 @@ def producer_rank(producers: Sequence[str], name: str, nranks: int) -> int:
 def producers_of_rank(producers: Sequence[str], rank: int, nranks: int) -> list[str]:
     """The producers whose samples rank ``rank`` of ``nranks`` trains on (see :func:`producer_rank`)."""
     return sorted(producers)[rank::nranks]
-
-
-def _producer_name(name: object) -> object:
-    reason = check_producer_name(name)
-    if reason is not None:
-        msg = f"open_receiver: producers: {reason}"
-        raise ConfigurationError(msg)
-    return name
 
 
 def _this_rank(rank: int | None) -> int:

@@ -14,6 +14,8 @@ from typing import Any, Final, TypeAlias
 import attrs
 import torch
 
+from lamploop.checks import check_names
+from lamploop.errors import ConfigurationError
 from lamploop.streaming.samples_payload import MAX_SAMPLES_PER_FRAME
 from lamploop.streaming.tensor_bytes import Signature
 from lamploop.transport import frames
@@ -44,6 +46,21 @@ _PROOF_CHARS = 128
 def check_producer_name(value: object) -> str | None:
     """Why ``value`` cannot name a producer, or ``None`` if it can (the transport's :func:`check_name`)."""
     return check_name(value, "producer")
+
+
+def checked_producer_name(where: str, name: object) -> str:
+    """``name`` if it can name a producer, else ConfigurationError saying why, after ``where``."""
+    reason = check_producer_name(name)
+    if reason is not None:
+        msg = f"{where}: {reason}"
+        raise ConfigurationError(msg)
+    assert isinstance(name, str)
+    return name
+
+
+def checked_producer_names(where: str, names: object) -> list[str]:
+    """A collection of producer names (not one string: :func:`lamploop.checks.check_names`), each checked."""
+    return [checked_producer_name(where, name) for name in check_names(where, names)]
 
 
 _name = name_validator("producer")

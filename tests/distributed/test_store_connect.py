@@ -30,12 +30,14 @@ def _closed_port() -> int:
 
 
 def test_a_store_nobody_serves_is_given_up_within_the_timeout() -> None:
+    # torch's own client, given 4 s, gave up after 6.8-10 s here; 1.5 s of slack for a loaded
+    # machine still tells the two apart (CI run 21 overshot a 0.75 s slack by 50 ms).
     port = _closed_port()
     for _ in range(2):  # torch's own back-off is random: twice
         started = time.monotonic()
         with pytest.raises(DistributedError, match=f"cannot reach the root's store at 127.0.0.1:{port}"):
-            connect_store("127.0.0.1", port, 2, timeout=1.5)
-        assert time.monotonic() - started < 1.5 + 0.75
+            connect_store("127.0.0.1", port, 2, timeout=4.0)
+        assert time.monotonic() - started < 4.0 + 1.5
 
 
 def test_a_listening_store_is_reached_and_keeps_the_whole_timeout() -> None:

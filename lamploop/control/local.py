@@ -47,6 +47,7 @@ from lamploop.errors import (
     ControlChannelError,
     HandshakeError,
     PeerLostError,
+    error_detected_by_every_rank,
     failure_reason,
 )
 
@@ -70,6 +71,11 @@ def _lost_rank(exc: BaseException | None, own_rank: int) -> tuple[int, str] | No
     if isinstance(exc, PeerLostError) and exc.rank is not None and exc.rank != own_rank:
         return exc.rank, exc.how or "aborted"
     return None
+
+
+def _every_rank(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an error every rank detects itself (its peers raise their own)."""
+    return error_detected_by_every_rank(exc) is not None
 
 
 def _how_left(exc: BaseException | None) -> str:
@@ -96,6 +102,11 @@ class _Hub:
         self.root_left: str | None = None
         self.rendezvous_or_root_left = anyio.Event()
         self.gone: dict[int, tuple[str, str]] = {}  # rank -> (why, how) it left before Stop
+        # A rank that left before Stop with an error the others do not detect themselves: set
+        # for the ranks' wait_for_abort (a rank blocked in a collective reads no command).
+        self.follower_aborted = anyio.Event()
+        self.root_aborted: _Aborted | None = None
+        self.root_aborted_event = anyio.Event()
         self.finished = False  # the root broadcast Stop
         self.stop_reason: str | None = None  # the first rank's request to stop every rank
         self.stop_requested = anyio.Event()
@@ -165,13 +176,36 @@ class LocalControlRoot:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._close(_describe_exit(exc, "root"), _lost_rank(exc, 0))
+        self._close(_describe_exit(exc, "root"), _lost_rank(exc, 0), every_rank=_every_rank(exc))
 
     async def aclose(self) -> None:
         """Close the channel; followers that have not received :class:`Stop` see the run aborted."""
         self._close(_describe_exit(None, "root"), None)
 
-    def _close(self, reason: str, lost: tuple[int, str] | None) -> None:
+    async def abort_run(self, error: BaseException) -> None:
+        """Tell every follower now that the run failed with ``error``, as leaving the channel with it would.
+
+        :func:`~lamploop.drive_distributed_training` calls this when its run fails, so that
+        a root that stays in the channel after the failure (every rank a task of this
+        process, inside the root's ``async with``) holds nobody.  Leaving later adds nothing.
+        """
+        self._close(_describe_exit(error, "root"), _lost_rank(error, 0), every_rank=_every_rank(error))
+
+    async def wait_for_abort(self) -> PeerLostError:
+        """Wait until a follower left the run before :class:`Stop` with an error of its own; that loss.
+
+        :func:`~lamploop.drive_distributed_training` watches this beside its epochs: a root
+        blocked in a collective reads no channel, and an in-process follower that failed
+        holds no connection whose end the collective would see.  A follower's error that
+        every rank detects itself (:func:`lamploop.errors.error_detected_by_every_rank`) does
+        not count: the root raises its own.
+        """
+        hub = self._hub
+        await hub.follower_aborted.wait()
+        rank, (reason, how) = min(hub.gone.items())
+        return PeerLostError(f"rank {rank} is gone: {reason}", rank=rank, how=how)
+
+    def _close(self, reason: str, lost: tuple[int, str] | None, *, every_rank: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -179,11 +213,15 @@ class LocalControlRoot:
         if not self._stopped:
             hub.root_left = reason
             hub.rendezvous_or_root_left.set()
+            aborted = _Aborted(reason, *lost) if lost else _Aborted(reason)
+            if not every_rank:
+                hub.root_aborted = aborted
+                hub.root_aborted_event.set()
             for rank, send in hub.sends.items():
                 if rank not in hub.gone:
                     # A follower that is gone or hopelessly behind only gets the closed stream.
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.WouldBlock):
-                        send.send_nowait(_Aborted(reason, *lost) if lost else _Aborted(reason))
+                        send.send_nowait(aborted)
         for send in hub.sends.values():
             send.close()
         for rank, receive in hub.receives.items():
@@ -296,15 +334,40 @@ class LocalControlFollower:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._close(_describe_exit(exc, f"follower of rank {self.rank}"), _how_left(exc))
+        self._close(_describe_exit(exc, f"follower of rank {self.rank}"), _how_left(exc), _every_rank(exc))
 
     async def aclose(self) -> None:
         """Leave the channel; the root's next broadcast fails unless :class:`Stop` was received."""
         self._close(_describe_exit(None, f"follower of rank {self.rank}"), "closed")
 
-    def _close(self, reason: str, how: str) -> None:
-        if not self._commands.stopped and self.rank not in self._hub.gone:
-            self._hub.gone[self.rank] = (reason, how)
+    async def abort_run(self, error: BaseException) -> None:
+        """Tell the root now that this rank failed with ``error``, as leaving the channel with it would.
+
+        :func:`~lamploop.follow_distributed_training` calls this when its run fails.  Leaving
+        later adds nothing.
+        """
+        who = f"follower of rank {self.rank}"
+        self._close(_describe_exit(error, who), _how_left(error), _every_rank(error))
+
+    async def wait_for_abort(self) -> PeerLostError:
+        """Wait until the root left the run before :class:`Stop` with an error of its own; that loss.
+
+        :func:`~lamploop.follow_distributed_training` watches this beside its commands: a
+        follower blocked in a collective reads no command.  An error that every rank detects
+        itself does not count: the follower raises its own.
+        """
+        hub = self._hub
+        await hub.root_aborted_event.wait()
+        aborted = hub.root_aborted
+        assert aborted is not None  # set before the event
+        return PeerLostError(f"rank {self.rank}: {aborted.reason}", rank=aborted.lost_rank, how=aborted.how)
+
+    def _close(self, reason: str, how: str, every_rank: bool = False) -> None:
+        hub = self._hub
+        if not self._commands.stopped and self.rank not in hub.gone:
+            hub.gone[self.rank] = (reason, how)
+            if not every_rank:
+                hub.follower_aborted.set()
         self._commands.close()
 
     async def join(self) -> tuple[Rendezvous, AsyncIterator[Command]]:

@@ -142,12 +142,7 @@ class TcpControlFollower:
             if conn is not None and conn.rank is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
                     if not conn.finished:  # leaving before Stop: tell the root why
-                        conn.finished = True
-                        who = f"follower of rank {self.rank}"
-                        await conn.send_best_effort(
-                            abort_message(self._sup, remaining, who, own_rank=self.rank)
-                        )
-                        await conn.send_eof()
+                        await self._say_abort(conn, remaining)
                     await self._drained.wait()  # read until the root closes, so nothing is lost to a reset
             return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
         finally:
@@ -155,6 +150,25 @@ class TcpControlFollower:
             self._commands.close()
             if conn is not None:
                 await conn.aclose()
+
+    async def abort_run(self, error: BaseException) -> None:
+        """Tell the root now that this rank failed with ``error``, as leaving the channel with it would.
+
+        :func:`~lamploop.follow_distributed_training` calls this when its run fails, so that
+        a follower that stays in the channel after the failure holds nobody.  Leaving later
+        sends nothing more.  Does nothing before joining, after :class:`Stop` or a first call.
+        """
+        conn = self._conn
+        if conn is None or conn.rank is None or conn.finished:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
+            await self._say_abort(conn, error)
+
+    async def _say_abort(self, conn: Connection, error: BaseException | None) -> None:
+        conn.finished = True
+        who = f"follower of rank {self.rank}"
+        await conn.send_best_effort(abort_message(self._sup, error, who, own_rank=self.rank))
+        await conn.send_eof()
 
     def _wake_up(self) -> None:
         self._rendezvous_or_failed.set()

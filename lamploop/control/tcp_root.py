@@ -121,6 +121,7 @@ class TcpControlRoot:
         self._all_served = anyio.Event()
         self._rendezvous_sent = False
         self._stop_sent = False
+        self._aborted = False  # the Abort went out (abort_run, or leaving before Stop)
         self._said_goodbye = False  # __aexit__ said its last words (an Abort unless Stop went out)
         self._welcomed: set[int] = set()  # those whose Welcome went out: Interrupts may follow it
         self._stop_reason: str | None = None  # the first rank's request to stop every rank
@@ -166,13 +167,8 @@ class TcpControlRoot:
         remaining = self._sup.leave_body(exc)
         self._refusals.flush()
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
-            if not self._stop_sent:
-                # Tell every follower why the run ends, then close our side.
-                abort = abort_message(self._sup, remaining, "root", own_rank=0)
-                for conn in list(self._peers.values()):
-                    conn.finished = True  # their closing is expected now
-                    await conn.send_best_effort(abort)
-                    await conn.send_eof()
+            if not self._stop_sent and not self._aborted:
+                await self._say_abort(remaining)
             # Read each follower until it closes too, so that nothing we sent is lost to a reset.
             if self._serving:
                 await self._all_served.wait()
@@ -180,6 +176,29 @@ class TcpControlRoot:
         for conn in list(self._peers.values()):  # those a cancellation left open for the Abort
             await conn.aclose()
         return await self._sup.close(remaining, swallowed=exc is not None and remaining is None)
+
+    async def abort_run(self, error: BaseException) -> None:
+        """Tell every follower now that the run failed with ``error``, as leaving the channel with it would.
+
+        A run that failed on the root leaves its followers waiting in a collective until the
+        root leaves the channel; :func:`~lamploop.drive_distributed_training` calls this at
+        once instead, so that a root that stays in the channel after the failure (one process
+        holding every rank, a caller that catches the error) holds nobody.  Leaving later
+        sends nothing more.  Does nothing after :class:`Stop` or a first call.
+        """
+        if self._stop_sent or self._aborted:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
+            await self._say_abort(error)
+
+    async def _say_abort(self, error: BaseException | None) -> None:
+        """Tell every follower why the run ends, then close our side."""
+        self._aborted = True
+        abort = abort_message(self._sup, error, "root", own_rank=0)
+        for conn in list(self._peers.values()):
+            conn.finished = True  # their closing is expected now
+            await conn.send_best_effort(abort)
+            await conn.send_eof()
 
     def _wake_up(self) -> None:
         self._joined_or_failed.set()

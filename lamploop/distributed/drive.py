@@ -96,6 +96,57 @@ async def named_peer_failures(run: Awaitable[T], control: object | None, nranks:
         raise
 
 
+async def until_a_peer_aborts(run: Awaitable[T], control: object | None) -> T:
+    """Await ``run``; if the channel says a peer left the run before it ended, cancel ``run`` and raise that.
+
+    A rank blocked in a collective reads nothing from its channel.  The TCP channels cancel
+    the block inside their ``async with`` when a peer goes; an in-process channel
+    (:func:`~lamploop.local_control`) says so by ``wait_for_abort``, watched here, so that a
+    rank that failed in one task does not hold the others in a collective until
+    ``collective_timeout``.  A channel of your own without ``wait_for_abort`` is not watched.
+    """
+    wait_for_abort = getattr(control, "wait_for_abort", None)
+    if not callable(wait_for_abort):
+        return await run
+    lost: list[BaseException] = []
+    failure: BaseException | None = None
+    result: list[T] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        lost.append(await wait_for_abort())
+        scope.cancel()
+
+    async with anyio.create_task_group() as watcher:
+        with anyio.CancelScope() as scope:
+            watcher.start_soon(watch, scope)
+            try:
+                result.append(await run)
+            except anyio.get_cancelled_exc_class():
+                if not lost:
+                    raise
+            except BaseException as exc:  # raised as it is, below: the task group would wrap it
+                failure = exc
+        watcher.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if not result:
+        raise lost[0]
+    return result[0]
+
+
+async def abort_run(control: object, error: Exception) -> None:
+    """Tell the peers at once that this rank's run failed with ``error``, where the channel can.
+
+    Leaving the channel tells them anyway; a rank that stays in it after the failure (every
+    rank a task of one process, inside the channel's ``async with``; a caller that catches the
+    error) would otherwise hold them in a collective until ``collective_timeout``.  lamploop's
+    channels have ``abort_run``; a channel of your own without it is told when it is left.
+    """
+    abort = getattr(control, "abort_run", None)
+    if callable(abort):
+        await abort(error)
+
+
 def check_place(nranks: int, device: torch.device | str, where: str) -> torch.device:
     """Check ``nranks`` and ``device``; the device as a ``torch.device``."""
     try:
@@ -307,11 +358,15 @@ async def drive_distributed_training(
         # On failure no Stop is sent: leaving the control channel without it aborts the
         # followers with the root's reason instead of ending them as if all went well.
         try:
-            state = await named_peer_failures(
-                root.epochs(settings, validation_batches is not None), control, nranks
+            state = await until_a_peer_aborts(
+                named_peer_failures(root.epochs(settings, validation_batches is not None), control, nranks),
+                control,
             )
         except TrainingInterrupted as stopped:
             await root.tell(Stop(reason=str(stopped)))
+            raise
+        except Exception as exc:
+            await abort_run(control, exc)
             raise
         await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
     await install_result(root.replica, root.best, train_batches, state.epoch)

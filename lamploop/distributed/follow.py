@@ -13,7 +13,13 @@ import torch
 from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlFollower, Train, Valid
-from lamploop.distributed.drive import OptimizerFactory, check_place, named_peer_failures
+from lamploop.distributed.drive import (
+    OptimizerFactory,
+    abort_run,
+    check_place,
+    named_peer_failures,
+    until_a_peer_aborts,
+)
 from lamploop.distributed.inputs import check_driver_arguments, check_follower_control
 from lamploop.distributed.process_group import connect_store
 from lamploop.distributed.rank_extras import rank_extras
@@ -166,7 +172,11 @@ async def follow_distributed_training(
                 else:
                     return
 
-        await named_peer_failures(obey(), control, nranks)
+        try:
+            await until_a_peer_aborts(named_peer_failures(obey(), control, nranks), control)
+        except Exception as exc:
+            await abort_run(control, exc)
+            raise
 
 
 async def _join_to_report(control: ControlFollower) -> None:

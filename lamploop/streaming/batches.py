@@ -80,8 +80,12 @@ def stack_samples(features: str = "x", target: str = "y") -> Collate:
                 x = torch.stack([row[features] for row in rows])
                 y = torch.stack([row[target] for row in rows])
         except KeyError as missing:
-            keys = sorted(samples[0].tensors)
-            msg = f"stack_samples: a sample has no tensor {missing}; its tensors are {keys}"
+            name = missing.args[0] if missing.args else None
+            short = next((s for s in samples if name not in s.tensors), samples[0])
+            msg = (
+                f"stack_samples: sample seq {short.seq} of producer {short.producer!r:.100} has no "
+                f"tensor {name!r:.100}; its tensors are {sorted(short.tensors)}"
+            )
             raise ConfigurationError(msg) from None
         except RuntimeError as exc:  # torch: "stack expects each tensor to be equal size"
             mismatch = sample_mismatch(samples, (features, target))

@@ -177,7 +177,12 @@ class StreamBuffer:
         last one put, and the buffer is open (a frame's samples: checked by a few calls over the
         whole batch, not a step of Python per sample); else ``None`` (:meth:`_check_puts` checks
         them one by one, and says what is wrong)."""
-        if not samples or self._closed or len(set(map(_PRODUCER, samples))) != 1:
+        if not samples or self._closed:
+            return None
+        try:
+            if len(set(map(_PRODUCER, samples))) != 1:
+                return None
+        except AttributeError:  # no Sample: _check_puts names it
             return None
         producer = samples[0].producer
         seqs = list(map(_SEQ, samples))
@@ -194,6 +199,9 @@ class StreamBuffer:
             raise BufferClosedError(msg)
         listed: dict[str, int] = {}
         for sample in samples:
+            if not isinstance(sample, Sample):
+                msg = f"{owner}: a put takes a lamploop.streaming.Sample, got {type(sample).__name__}"
+                raise ConfigurationError(msg)
             previous, source = listed.get(sample.producer), "put or listed before it"
             if previous is None:
                 previous, source = self._last_seq.get(sample.producer), "put"

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import torch
 
-from lamploop.errors import CheckpointError
+from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.streaming.buffer_policy import Slot
 from lamploop.streaming.buffer_settings import BufferSettings, BufferStats
 from lamploop.streaming.sample import Sample
@@ -201,11 +201,18 @@ def restore(
         if missing:
             raise fail(f"tensors {missing} are missing")
         expected.update(keys)
-        sample = Sample(
-            producer=record.producer,
-            seq=counts(record.seq, f"samples[{i}].seq"),
-            tensors={name: tensors[key] for name, key in zip(record.tensors, keys, strict=True)},
-        )
+        for key in keys:
+            if not isinstance(tensors[key], torch.Tensor):
+                what = type(tensors[key]).__name__
+                raise fail(f"tensor {key!r:.100} of samples[{i}] is a {what}, not a torch.Tensor")
+        try:
+            sample = Sample(
+                producer=record.producer,
+                seq=counts(record.seq, f"samples[{i}].seq"),
+                tensors={name: tensors[key] for name, key in zip(record.tensors, keys, strict=True)},
+            )
+        except ConfigurationError as exc:
+            raise fail(f"samples[{i}]: {exc}") from None
         slots.append(Slot(sample, seen))
     if len(slots) > state.capacity:
         raise fail(f"it holds {len(slots)} samples, capacity={state.capacity}")

@@ -54,6 +54,9 @@ class Sample:
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
             msg = f"Sample: seq must be an int >= 0, got {self.seq!r}"
             raise ConfigurationError(msg)
+        if not self.tensors:
+            msg = f"Sample {self.producer!r} {self.seq}: a sample has at least one tensor, got none"
+            raise ConfigurationError(msg)
         for name, tensor in self.tensors.items():
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 msg = (

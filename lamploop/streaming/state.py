@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -87,6 +88,9 @@ class StreamState:
             what = type(buffer).__name__
             msg = f"StreamState: buffer must be a lamploop.streaming buffer (FifoBuffer...), got {what}"
             raise ConfigurationError(msg)
+        if not isinstance(name, str) or not name:
+            msg = f"StreamState: name must be a non-empty str (the extra's name), got {name!r:.100}"
+            raise ConfigurationError(msg)
         self.buffer = buffer
         self.name = name
         self.receiver: SampleReceiver | None = None
@@ -124,6 +128,13 @@ class StreamState:
             msg = f"stream state {self.name!r}: open_receiver was called before; a stream has one receiver"
             raise ConfigurationError(msg)
         names = checked_producer_names("open_receiver: producers", producers)
+        if not names:
+            msg = "open_receiver: producers is empty: name every producer of the run (all ranks')"
+            raise ConfigurationError(msg)
+        twice = sorted(name for name, count in Counter(names).items() if count > 1)
+        if twice:
+            msg = f"open_receiver: producers names {twice} more than once: each producer's name is unique"
+            raise ConfigurationError(msg)
         check_int("open_receiver: nranks", nranks, 1)
         rank = _this_rank(rank)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:

@@ -96,7 +96,7 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     ready: list[torch.Tensor] = []
     for name, tensor in tensors.items():
         if type(name) is not str or not isinstance(tensor, torch.Tensor):
-            what = f"{type(name).__name__}: {type(tensor).__name__}"
+            what = f"{name!r:.100} ({type(name).__name__}): {type(tensor).__name__}"
             msg = f"a sample's tensors map str to torch.Tensor, got {what}"
             raise TypeError(msg)
         try:  # free unless it raises (Python 3.11)
@@ -166,7 +166,7 @@ def encode_rows(columns: Mapping[str, torch.Tensor]) -> list[bytes]:
     rows = -1
     for name, column in columns.items():
         if type(name) is not str or not isinstance(column, torch.Tensor):
-            what = f"{type(name).__name__}: {type(column).__name__}"
+            what = f"{name!r:.100} ({type(name).__name__}): {type(column).__name__}"
             msg = f"a batch of samples' columns map str to torch.Tensor, got {what}"
             raise TypeError(msg)
         if column.dim() == 0:
@@ -210,6 +210,9 @@ def _encoding(signature: _Key) -> tuple[bytes, tuple[tuple[int, _Raw], ...]]:
         msg = "a sample has at least one tensor"
         raise ValueError(msg)
     for name, dtype, _ in signature:
+        if name == "__metadata__":  # safetensors' own entry: the receiver could not decode it
+            msg = "a tensor may not be named '__metadata__' (safetensors' reserved name)"
+            raise ValueError(msg)
         if dtype not in _NAMES:
             msg = f"tensor {name!r}: dtype {dtype} has no safetensors encoding here"
             raise TypeError(msg)

@@ -37,6 +37,15 @@ _log = logging.getLogger("lamploop.checkpoint")
 # Files
 
 
+def make_directory(path: pathlib.Path, where: str) -> None:
+    """``path`` and its parents made (an existing directory is fine); CheckpointError naming it if not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"{where}: cannot make the directory {str(path)!r}: {exc.strerror or exc}"
+        raise CheckpointError(msg) from exc
+
+
 def read_json_object(
     path: pathlib.Path, error: type[LamploopError], *, missing: str = "missing"
 ) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from lamploop.checkpoint.files import (
     _temp_name,
     _write_latest,
     _write_tensors,
+    make_directory,
 )
 from lamploop.checkpoint.format import (
     AVERAGED_MODEL_FILE,
@@ -155,10 +156,10 @@ def save_checkpoint(
     contents = _Contents.of(
         state, schedule_state, RngStates.capture() if rng is None else rng, rank_rngs, extras or {}
     )
-    root.mkdir(parents=True, exist_ok=True)
+    make_directory(root, "save_checkpoint")
     _remove_stale_temporaries(root)
     temp = root / _temp_name(name)
-    temp.mkdir()
+    make_directory(temp, "save_checkpoint")
     try:
         contents.write(temp, state, schedule_state, position, _next_sequence(root))
         if isinstance(state.model, ShardedModelState):  # every rank's shards, before the rename

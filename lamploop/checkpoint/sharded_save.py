@@ -26,6 +26,7 @@ from lamploop.checkpoint.files import (
     _temp_name,
     _write_latest,
     _write_tensors,
+    make_directory,
 )
 from lamploop.checkpoint.format import checkpoint_name
 from lamploop.checkpoint.sharded_index import (
@@ -161,7 +162,7 @@ def save_sharded(
     final = root_path / name
     chosen: list[str] | None = None
     if rank == 0:
-        root_path.mkdir(parents=True, exist_ok=True)
+        make_directory(root_path, "save_sharded_checkpoint")
         _remove_stale_temporaries(root_path)
         taken = f"{final}: a checkpoint of that name exists already" if final.exists() else ""
         chosen = [_temp_name(name), taken]

@@ -33,8 +33,10 @@ loop (the objects are not thread-safe).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -71,6 +73,11 @@ def _lost_rank(exc: BaseException | None, own_rank: int) -> tuple[int, str] | No
     if isinstance(exc, PeerLostError) and exc.rank is not None and exc.rank != own_rank:
         return exc.rank, exc.how or "aborted"
     return None
+
+
+def _close_streams(streams: list[MemoryObjectSendStream[Any] | MemoryObjectReceiveStream[Any]]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 def _every_rank(exc: BaseException | None) -> bool:
@@ -116,6 +123,9 @@ class _Hub:
             send, receive = anyio.create_memory_object_stream[Command | _Aborted](MAX_UNREAD_COMMANDS)
             self.sends[rank] = send
             self.receives[rank] = receive
+        # A channel never entered (a driver refused its arguments first) closes its streams when
+        # it is collected, instead of each warning that it was left open.
+        weakref.finalize(self, _close_streams, [*self.sends.values(), *self.receives.values()])
         if nranks == 1:
             self.all_joined.set()
 

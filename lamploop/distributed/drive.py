@@ -38,10 +38,12 @@ from lamploop.checkpoint import RngStates
 from lamploop.checkpoint.checkpointer import Checkpointer
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.sharded import ShardsOnDisk
+from lamploop.checks import check_host
 from lamploop.control.commands import ControlRoot, Rendezvous, Stop
 from lamploop.distributed.boundaries import SavePosition
 from lamploop.distributed.inputs import check_driver_arguments, check_reporters
-from lamploop.distributed.process_group import create_store
+from lamploop.distributed.placement import checked_device
+from lamploop.distributed.process_group import create_store, resolve_host
 from lamploop.distributed.rank_extras import rank_extras
 from lamploop.distributed.replica import (
     RankPlan,
@@ -148,13 +150,13 @@ async def abort_run(control: object, error: Exception) -> None:
 
 
 def check_place(nranks: int, device: torch.device | str, where: str) -> torch.device:
-    """Check ``nranks`` and ``device``; the device as a ``torch.device``."""
+    """Check ``nranks`` and ``device`` (one torch knows, CUDA only where there is CUDA); the device."""
     try:
         check_int("nranks", nranks, 1)
-        return torch.device(device)
-    except (ConfigurationError, RuntimeError, TypeError) as exc:
+    except ConfigurationError as exc:
         msg = f"{where}: {exc}"
         raise ConfigurationError(msg) from None
+    return checked_device(device, where)
 
 
 def _shards_on_disk(
@@ -285,6 +287,7 @@ async def drive_distributed_training(
     """
     settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
     torch_device = check_place(nranks, device, "drive_distributed_training")
+    check_host("drive_distributed_training: host", host)
     check_driver_arguments(
         "drive_distributed_training",
         model,
@@ -318,6 +321,7 @@ async def drive_distributed_training(
     )
 
     async def connect() -> tuple[Any, str]:
+        await resolve_host(host, "drive_distributed_training")
         store, port = create_store(host, nranks, settings.collective_timeout)
         if control is not None:
             await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
@@ -350,25 +354,36 @@ async def drive_distributed_training(
         if learning_rate_schedule_init_state is not None
         else settings.learning_rate_schedule.init()
     )
-    async with open_replica(plan, connect, AbortSignal()) as replica:
-        root = RootEpochs(
-            replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state, emit
-        )
-        roots.append(root)
-        # On failure no Stop is sent: leaving the control channel without it aborts the
-        # followers with the root's reason instead of ending them as if all went well.
-        try:
-            state = await until_a_peer_aborts(
-                named_peer_failures(root.epochs(settings, validation_batches is not None), control, nranks),
-                control,
+
+    async def run() -> tuple[RootEpochs, LoopState]:
+        async with open_replica(plan, connect, AbortSignal()) as replica:
+            root = RootEpochs(
+                replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state, emit
             )
-        except TrainingInterrupted as stopped:
-            await root.tell(Stop(reason=str(stopped)))
-            raise
-        except Exception as exc:
-            await abort_run(control, exc)
-            raise
-        await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
+            roots.append(root)
+            try:
+                state = await named_peer_failures(
+                    root.epochs(settings, validation_batches is not None), control, nranks
+                )
+            except TrainingInterrupted as stopped:
+                await root.tell(Stop(reason=str(stopped)))
+                raise
+            except Exception as exc:
+                await abort_run(control, exc)  # before the replica's teardown
+                raise
+            await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
+        return root, state
+
+    # On failure no Stop is sent: the followers are aborted with the root's reason (at once,
+    # where the channel can, else when the caller leaves it) instead of ended as if all went
+    # well.  A follower that leaves first, also while the ranks set up, ends the run here.
+    try:
+        root, state = await until_a_peer_aborts(run(), control)
+    except TrainingInterrupted:
+        raise
+    except Exception as exc:
+        await abort_run(control, exc)
+        raise
     await install_result(root.replica, root.best, train_batches, state.epoch)
     emit(RunFinished(state, reason=root.end_reason))
     return state

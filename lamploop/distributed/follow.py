@@ -116,10 +116,11 @@ async def follow_distributed_training(
     try:
         check_strategy()
         optimizer = await anyio.to_thread.run_sync(set_up)
-    except Exception:
+    except Exception as exc:
         # Before this rank joined, the root could only see it leave ("exited with status 1"
-        # under fit): join, so that leaving the channel with this error tells the root why.
+        # under fit): join, so that this error reaches the root (now, or on leaving the channel).
         await _join_to_report(control)
+        await abort_run(control, exc)
         raise
     base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
     rendezvous, commands = await control.join()
@@ -143,40 +144,49 @@ async def follow_distributed_training(
         stop=stop,
         extras=rank_extras(checkpoint_extras, rank, nranks),
     )
-    async with open_replica(plan, connect, AbortSignal()) as replica:
 
-        async def obey() -> None:
-            async for command in commands:
-                # A sharded model's: the root's actions (best model, checkpoint, result) first.
-                if replica.sharded is not None and await replica.sharded.follow_point():
-                    return
-                if isinstance(command, Train):
-                    try:
-                        await replica.train(command.epoch, command.lr_factor)
-                    except EpochStopped:
-                        continue  # the root checkpoints and sends Stop
-                    except StreamExhausted:
-                        continue  # every rank's stream ended: the root ends the run and sends Stop
+    async def run() -> None:
+        async with open_replica(plan, connect, AbortSignal()) as replica:
 
-                elif isinstance(command, Valid):
-                    if validation_batches is None:
-                        msg = (
-                            f"rank {rank}: the root validates in epoch {command.epoch}, "
-                            "but this rank has no validation_batches"
-                        )
-                        raise ConfigurationError(msg)
-                    try:
-                        await replica.validate(command.epoch)
-                    except ValidationStopped:
-                        continue  # a stop during validation: the root ends the epoch (or not) and sends Stop
-                else:
-                    return
+            async def obey() -> None:
+                async for command in commands:
+                    # A sharded model's: the root's actions (best model, checkpoint, result) first.
+                    if replica.sharded is not None and await replica.sharded.follow_point():
+                        return
+                    if isinstance(command, Train):
+                        try:
+                            await replica.train(command.epoch, command.lr_factor)
+                        except EpochStopped:
+                            continue  # the root checkpoints and sends Stop
+                        except StreamExhausted:
+                            continue  # every rank's stream ended: the root ends the run and sends Stop
 
-        try:
-            await until_a_peer_aborts(named_peer_failures(obey(), control, nranks), control)
-        except Exception as exc:
-            await abort_run(control, exc)
-            raise
+                    elif isinstance(command, Valid):
+                        if validation_batches is None:
+                            msg = (
+                                f"rank {rank}: the root validates in epoch {command.epoch}, "
+                                "but this rank has no validation_batches"
+                            )
+                            raise ConfigurationError(msg)
+                        try:
+                            await replica.validate(command.epoch)
+                        except ValidationStopped:
+                            continue  # a stop in validation: the root ends the epoch (or not), sends Stop
+                    else:
+                        return
+
+            try:
+                await named_peer_failures(obey(), control, nranks)
+            except Exception as exc:
+                await abort_run(control, exc)  # before the replica's teardown
+                raise
+
+    # A root that leaves first, also while the ranks set up, ends the run here.
+    try:
+        await until_a_peer_aborts(run(), control)
+    except Exception as exc:
+        await abort_run(control, exc)
+        raise
 
 
 async def _join_to_report(control: ControlFollower) -> None:

@@ -10,8 +10,11 @@ several can live in one process (``local_data_parallel_training_loop``).
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 
+import anyio
+import anyio.to_thread
 import torch
 import torch.distributed as dist
 
@@ -19,12 +22,44 @@ from lamploop.distributed.network import gloo_interface, local_address_towards
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.sync.collectives import Group
 
-__all__ = ["client_of_store", "connect_store", "create_store", "new_process_group"]
+__all__ = [
+    "RESOLVE_TIMEOUT_S",
+    "client_of_store",
+    "connect_store",
+    "create_store",
+    "new_process_group",
+    "resolve_host",
+]
+
+RESOLVE_TIMEOUT_S = 30.0
+"""How long the root waits for its store's host name to resolve."""
 
 _TRIES_LEFT_SHARE = 3.0
 """A try of torch's store client gets the time left divided by this (it overruns by up to 2.5 times)."""
 
 _SHORTEST_TRY_S = 0.1
+
+
+async def resolve_host(host: str, where: str) -> None:
+    """Check that ``host`` resolves, within :data:`RESOLVE_TIMEOUT_S`.
+
+    torch's store retries a name that does not resolve for many minutes, on the calling
+    thread and past any cancellation: the name is looked up here first, on a thread that
+    a timeout can leave behind.
+
+    Raises:
+        ConfigurationError: ``host`` does not resolve.
+        DistributedError: the lookup took longer than :data:`RESOLVE_TIMEOUT_S`.
+    """
+    try:
+        with anyio.fail_after(RESOLVE_TIMEOUT_S):
+            await anyio.to_thread.run_sync(socket.getaddrinfo, host, None, abandon_on_cancel=True)
+    except TimeoutError:
+        msg = f"{where}: host {host!r:.100} did not resolve within {RESOLVE_TIMEOUT_S:g} s"
+        raise DistributedError(msg) from None
+    except (OSError, UnicodeError) as exc:
+        msg = f"{where}: host {host!r:.100} does not resolve to an address: {exc}"
+        raise ConfigurationError(msg) from None
 
 
 def create_store(host: str, nranks: int, timeout: float) -> tuple[dist.TCPStore, int]:

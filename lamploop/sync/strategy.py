@@ -218,10 +218,20 @@ def register_strategy(strategy: SyncStrategy, *, replace: bool = False) -> None:
         ConfigurationError: the name is ``"auto"`` or already taken (unless ``replace``),
             or ``strategy`` lacks the :class:`SyncStrategy` members.
     """
+    if isinstance(strategy, type):
+        msg = (
+            f"register_strategy: {strategy.__qualname__} is a class; register an instance, "
+            f"e.g. register_strategy({strategy.__qualname__}(...))"
+        )
+        raise ConfigurationError(msg)
     if not isinstance(strategy, SyncStrategy):
         msg = f"register_strategy: {strategy!r} lacks name, steps_on_every_rank or gradient_sync()"
         raise ConfigurationError(msg)
     name = strategy.name
+    if not isinstance(name, str) or not name:
+        kind = type(strategy).__name__
+        msg = f"register_strategy: a strategy's name is a non-empty str, got {name!r:.60} ({kind})"
+        raise ConfigurationError(msg)
     if name == AUTO:
         msg = f"register_strategy: the name {AUTO!r} is reserved (it picks a strategy); choose another name"
         raise ConfigurationError(msg)

@@ -135,3 +135,18 @@ async def test_the_failed_rank_raises_its_error_and_its_peer_names_it(kind: str,
     assert peer.rank == failing_rank, repr(peer)
     assert "Boom" in str(peer) or "the stream of the failing rank" in str(peer), str(peer)
     assert took < BOUND_S
+
+
+def test_a_local_channel_never_entered_leaves_no_stream_open() -> None:
+    """A driver that refuses its arguments before entering ``local_control``'s ends: collecting
+    them closes their command streams (each used to warn that it was left open, and with
+    warnings as errors a later, unrelated test failed)."""
+    import gc
+    import warnings
+
+    root, followers = lamploop.local_control(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del root, followers
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from lamploop.checkpoint.extras import CheckpointExtra, check_extras
+from lamploop.checkpoint.save import storable_schedule_state
 from lamploop.checks import check_bool, check_callable, check_directory
 from lamploop.control.settings import Link
 from lamploop.distributed.inputs import check_batch_factory, check_model, check_reporters
 from lamploop.distributed.rank_extras import SYNC_EXTRA
 from lamploop.distributed.sharded_checks import check_sharded_strategy
-from lamploop.errors import ConfigurationError
+from lamploop.errors import CheckpointError, ConfigurationError
 from lamploop.loop.optimizer import check_takes_parameters
 from lamploop.settings import TrainingSettings
 from lamploop.sync.strategy import AUTO, keeps_state, strategy_named
@@ -130,6 +131,14 @@ def check_checkpointing(
     if directory is None and every is not None:
         msg = f"{where}: {every} asks for checkpoints inside epochs, but checkpoint_dir is None: say where"
         raise ConfigurationError(msg)
+    if directory is not None:
+        # A schedule state no checkpoint can store would end the run after its first epoch,
+        # the epoch lost: its first state is known now.
+        try:
+            storable_schedule_state(settings.learning_rate_schedule.init())
+        except CheckpointError as exc:
+            msg = f"{where}: checkpoint_dir is set, but the learning-rate schedule's {exc}"
+            raise CheckpointError(msg) from exc
     checked = check_extras(where, extras)
     if not checked:
         return checked

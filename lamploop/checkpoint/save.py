@@ -176,6 +176,20 @@ def save_checkpoint(
     return final
 
 
+def storable_schedule_state(schedule_state: Any) -> Any:
+    """``schedule_state`` as the JSON a checkpoint stores; CheckpointError if it cannot be stored."""
+    schedule_json = converter.unstructure(schedule_state)
+    try:
+        json.dumps(schedule_json)
+    except (TypeError, ValueError) as e:
+        msg = (
+            f"schedule state: a {type(schedule_state).__qualname__} cannot be stored as JSON ({e}); "
+            "schedule states must be None or attrs classes of plain values"
+        )
+        raise CheckpointError(msg) from e
+    return schedule_json
+
+
 @attrs.frozen
 class _Contents:
     """What a checkpoint holds, checked and converted before anything touches the disk."""
@@ -206,15 +220,7 @@ class _Contents:
             raise CheckpointError(msg)
         raw_optimizer_tensors: dict[str, torch.Tensor] = {}
         optimizer_json = encode_tree(state.optimizer, raw_optimizer_tensors, error=CheckpointError)
-        schedule_json = converter.unstructure(schedule_state)
-        try:
-            json.dumps(schedule_json)
-        except (TypeError, ValueError) as e:
-            msg = (
-                f"schedule state: a {type(schedule_state).__qualname__} cannot be stored as JSON ({e}); "
-                "schedule states must be None or attrs classes of plain values"
-            )
-            raise CheckpointError(msg) from e
+        schedule_json = storable_schedule_state(schedule_state)
         return cls(
             model=_cpu_tensors(state.model, "model state dict"),
             best_model=_cpu_tensors(state.best_model, "best model state dict"),

@@ -251,6 +251,9 @@ class TrainingPlan:
     format_version: int = 1
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            msg = f"a plan's name is a non-empty str (a label for people), got {self.name!r:.60}"
+            raise ConfigurationError(msg)
         if (self.local_epochs is None) == (self.local_steps is None):
             msg = (
                 "a plan sets exactly one of local_epochs and local_steps, got "

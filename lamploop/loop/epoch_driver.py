@@ -137,6 +137,17 @@ async def _awaited(result: object, name: str, epoch: int) -> Any:
     return await result
 
 
+def _state_and_factor(returned: Any, schedule: object, epoch: int) -> tuple[Any, Any]:
+    """``learning_rate_factor``'s ``(next_state, factor)``, else ConfigurationError naming the schedule."""
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        msg = (
+            f"epochs: the learning-rate schedule {type(schedule).__name__}.learning_rate_factor "
+            f"returned {returned!r:.60} for epoch {epoch}; it returns a pair (next_state, factor)"
+        )
+        raise ConfigurationError(msg)
+    return returned
+
+
 def _check_factor(factor: object, schedule: object, epoch: int) -> None:
     """A factor is a finite number: a NaN would reach the optimizer and show as a NaN loss."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
@@ -254,8 +265,8 @@ async def epochs(
     )
     while True:
         epoch = state.epoch
-        schedule_state, factor = schedule.learning_rate_factor(
-            schedule_state, epoch, state.last_validation_loss
+        schedule_state, factor = _state_and_factor(
+            schedule.learning_rate_factor(schedule_state, epoch, state.last_validation_loss), schedule, epoch
         )
         _check_factor(factor, schedule, epoch)
         reason = _end_reason(state, max_epochs, factor, early_stopping_patience, selection)

@@ -112,6 +112,7 @@ class _Hub:
         # A rank that left before Stop with an error the others do not detect themselves: set
         # for the ranks' wait_for_abort (a rank blocked in a collective reads no command).
         self.follower_aborted = anyio.Event()
+        self.aborted_rank = 0  # the first follower that set follower_aborted
         self.root_aborted: _Aborted | None = None
         self.root_aborted_event = anyio.Event()
         self.finished = False  # the root broadcast Stop
@@ -202,7 +203,7 @@ class LocalControlRoot:
         self._close(_describe_exit(error, "root"), _lost_rank(error, 0), every_rank=_every_rank(error))
 
     async def wait_for_abort(self) -> PeerLostError:
-        """Wait until a follower left the run before :class:`Stop` with an error of its own; that loss.
+        """Wait until a follower left the run before :class:`Stop` (failed, closed or cancelled); that loss.
 
         :func:`~lamploop.drive_distributed_training` watches this beside its epochs: a root
         blocked in a collective reads no channel, and an in-process follower that failed
@@ -212,7 +213,8 @@ class LocalControlRoot:
         """
         hub = self._hub
         await hub.follower_aborted.wait()
-        rank, (reason, how) = min(hub.gone.items())
+        rank = hub.aborted_rank
+        reason, how = hub.gone[rank]
         return PeerLostError(f"rank {rank} is gone: {reason}", rank=rank, how=how)
 
     def _close(self, reason: str, lost: tuple[int, str] | None, *, every_rank: bool = False) -> None:
@@ -360,7 +362,7 @@ class LocalControlFollower:
         self._close(_describe_exit(error, who), _how_left(error), _every_rank(error))
 
     async def wait_for_abort(self) -> PeerLostError:
-        """Wait until the root left the run before :class:`Stop` with an error of its own; that loss.
+        """Wait until the root left the run before :class:`Stop` (failed, closed or cancelled); that loss.
 
         :func:`~lamploop.follow_distributed_training` watches this beside its commands: a
         follower blocked in a collective reads no command.  An error that every rank detects
@@ -376,7 +378,8 @@ class LocalControlFollower:
         hub = self._hub
         if not self._commands.stopped and self.rank not in hub.gone:
             hub.gone[self.rank] = (reason, how)
-            if not every_rank:
+            if not every_rank and not hub.follower_aborted.is_set():
+                hub.aborted_rank = self.rank
                 hub.follower_aborted.set()
         self._commands.close()
 

@@ -122,6 +122,7 @@ class TcpControlRoot:
         self._rendezvous_sent = False
         self._stop_sent = False
         self._aborted = False  # the Abort went out (abort_run, or leaving before Stop)
+        self._abort_error: BaseException | None = None  # abort_run's, for followers joining after it
         self._said_goodbye = False  # __aexit__ said its last words (an Abort unless Stop went out)
         self._welcomed: set[int] = set()  # those whose Welcome went out: Interrupts may follow it
         self._stop_reason: str | None = None  # the first rank's request to stop every rank
@@ -167,8 +168,9 @@ class TcpControlRoot:
         remaining = self._sup.leave_body(exc)
         self._refusals.flush()
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
-            if not self._stop_sent and not self._aborted:
-                await self._say_abort(remaining)
+            if not self._stop_sent:
+                # Those abort_run told are told nothing more; one that joined since hears its reason.
+                await self._say_abort(self._abort_error if self._aborted else remaining)
             # Read each follower until it closes too, so that nothing we sent is lost to a reset.
             if self._serving:
                 await self._all_served.wait()
@@ -184,18 +186,22 @@ class TcpControlRoot:
         root leaves the channel; :func:`~lamploop.drive_distributed_training` calls this at
         once instead, so that a root that stays in the channel after the failure (one process
         holding every rank, a caller that catches the error) holds nobody.  Leaving later
-        sends nothing more.  Does nothing after :class:`Stop` or a first call.
+        tells only a follower that joins after this call (the same reason).  Does nothing after
+        :class:`Stop` or a first call.
         """
         if self._stop_sent or self._aborted:
             return
+        self._abort_error = error
         with anyio.CancelScope(shield=True), anyio.move_on_after(GOODBYE_TIMEOUT):
             await self._say_abort(error)
 
     async def _say_abort(self, error: BaseException | None) -> None:
-        """Tell every follower why the run ends, then close our side."""
+        """Tell every follower not told yet why the run ends, then close our side to it."""
         self._aborted = True
         abort = abort_message(self._sup, error, "root", own_rank=0)
         for conn in list(self._peers.values()):
+            if conn.finished:  # told already (abort_run)
+                continue
             conn.finished = True  # their closing is expected now
             await conn.send_best_effort(abort)
             await conn.send_eof()

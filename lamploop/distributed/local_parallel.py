@@ -22,7 +22,12 @@ from lamploop.distributed.drive import OptimizerFactory, drive_distributed_train
 from lamploop.distributed.follow import follow_distributed_training
 from lamploop.distributed.inputs import check_driver_arguments, check_resume_arguments
 from lamploop.distributed.sharded_checks import check_sharded_strategy
-from lamploop.errors import ConfigurationError, DistributedError, error_detected_by_every_rank
+from lamploop.errors import (
+    ConfigurationError,
+    DistributedError,
+    PeerLostError,
+    error_detected_by_every_rank,
+)
 from lamploop.model import SupervisedModel
 from lamploop.modelspec import describe_mismatch, model_spec
 from lamploop.schedules import LearningRateSchedule, noop
@@ -38,7 +43,8 @@ class _FirstError:
     """Remembers the first exception of any rank, to raise it instead of the group of all.
 
     An error that every rank detects itself (see :mod:`lamploop.errors`) wins over an earlier
-    one of another kind, which can only be a consequence of it.
+    one of another kind, which can only be a consequence of it; so does a rank's own error over
+    an earlier :class:`PeerLostError` (a peer told of that failure may end first).
     """
 
     def __init__(self) -> None:
@@ -48,12 +54,18 @@ class _FirstError:
         try:
             return await run
         except Exception as exc:
-            if self.error is None or (
-                error_detected_by_every_rank(exc) is not None
-                and error_detected_by_every_rank(self.error) is None
-            ):
+            if self.error is None or _outranks(exc, self.error):
                 self.error = exc
             raise
+
+
+def _outranks(later: BaseException, earlier: BaseException) -> bool:
+    """Whether ``later`` says more about the run's failure than ``earlier``, a consequence of it."""
+    if error_detected_by_every_rank(earlier) is not None:
+        return False
+    if error_detected_by_every_rank(later) is not None:
+        return True
+    return isinstance(earlier, PeerLostError) and not isinstance(later, PeerLostError)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -57,6 +57,12 @@ async def resolve_host(host: str, where: str) -> None:
     except TimeoutError:
         msg = f"{where}: host {host!r:.100} did not resolve within {RESOLVE_TIMEOUT_S:g} s"
         raise DistributedError(msg) from None
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # the resolver could not answer now: not a wrong name
+            msg = f"{where}: host {host!r:.100} could not be looked up now: {exc}"
+            raise DistributedError(msg) from None
+        msg = f"{where}: host {host!r:.100} does not resolve to an address: {exc}"
+        raise ConfigurationError(msg) from None
     except (OSError, UnicodeError) as exc:
         msg = f"{where}: host {host!r:.100} does not resolve to an address: {exc}"
         raise ConfigurationError(msg) from None

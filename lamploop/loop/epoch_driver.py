@@ -139,13 +139,13 @@ async def _awaited(result: object, name: str, epoch: int) -> Any:
 
 def _state_and_factor(returned: Any, schedule: object, epoch: int) -> tuple[Any, Any]:
     """``learning_rate_factor``'s ``(next_state, factor)``, else ConfigurationError naming the schedule."""
-    if not isinstance(returned, tuple) or len(returned) != 2:
+    if not isinstance(returned, tuple | list) or len(returned) != 2:
         msg = (
             f"epochs: the learning-rate schedule {type(schedule).__name__}.learning_rate_factor "
             f"returned {returned!r:.60} for epoch {epoch}; it returns a pair (next_state, factor)"
         )
         raise ConfigurationError(msg)
-    return returned
+    return returned[0], returned[1]
 
 
 def _check_factor(factor: object, schedule: object, epoch: int) -> None:

@@ -247,14 +247,6 @@ async def train_pipeline(
         )
         raise ConfigurationError(msg)
     stages = split_sequential(model, spec.boundaries)
-    for index, stage in enumerate(stages):  # every rank checks every stage: all refuse alike
-        if not any(p.requires_grad for p in stage.parameters()):
-            layers = spec.layer_ranges(model)[index]
-            msg = (
-                f"train_pipeline: stage {index} (layers {layers.start}..{layers.stop - 1}) has no "
-                "parameters to train; move a boundary so that every stage holds some"
-            )
-            raise ConfigurationError(msg)
     if group.world_size != spec.num_stages:
         msg = (
             f"train_pipeline: the spec has {spec.num_stages} stages but the process group has "
@@ -264,6 +256,14 @@ async def train_pipeline(
     if any(t.device.type != "cpu" for t in model.parameters()):
         msg = "train_pipeline: the model must be on the CPU (this pipeline runs Gloo between CPU stages)"
         raise ConfigurationError(msg)
+    for index, stage in enumerate(stages):  # every rank checks every stage: all refuse alike
+        if next(stage.parameters(), None) is None:
+            layers = spec.layer_ranges(model)[index]
+            msg = (
+                f"train_pipeline: stage {index} (layers {layers.start}..{layers.stop - 1}) has no "
+                "parameters (its optimizer would have none); move a boundary so that every stage holds some"
+            )
+            raise ConfigurationError(msg)
     rank = group.rank
     runner = StageRunner(stages, rank, spec, loss)
     optimizer = make_optimizer(optimizer_factory, runner.module.parameters(), where="train_pipeline")

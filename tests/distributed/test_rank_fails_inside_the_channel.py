@@ -150,3 +150,47 @@ def test_a_local_channel_never_entered_leaves_no_stream_open() -> None:
         del root, followers
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+async def test_a_follower_joining_after_the_roots_abort_hears_its_reason() -> None:
+    """``abort_run`` before a follower joined (the root failed in set-up): the follower that
+    joins later gets the root's reason when the root leaves, at once (it got "closed the
+    connection before Stop" without a reason, and the root's exit waited 2 s)."""
+    spec = lamploop.model_spec(_module())
+    address: list[tuple[str, int]] = []
+    ready = anyio.Event()
+    outcome: dict[str, BaseException | None] = {"root": None, "follower": None}
+    root_left_at: list[float] = []
+
+    async def root_side() -> None:
+        try:
+            async with TcpControlRoot(port=0, nranks=2, token=TOKEN, model_spec=spec) as root:
+                address.append(root.address[:2])
+                ready.set()
+                await root.abort_run(Boom("the root's set-up failed"))
+                await anyio.sleep(1.0)  # the follower joins meanwhile
+                raise Boom("the root's set-up failed")
+        except Boom as exc:
+            outcome["root"] = exc
+        root_left_at.append(time.monotonic())
+
+    async def follower_side() -> None:
+        await ready.wait()
+        host, port = address[0]
+        try:
+            async with TcpControlFollower(
+                host=host, port=port, rank=1, nranks=2, token=TOKEN, model_spec=spec
+            ) as follower:
+                await follower.join()
+        except PeerLostError as exc:
+            outcome["follower"] = exc
+
+    began = time.monotonic()
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as group:
+            group.start_soon(root_side)
+            group.start_soon(follower_side)
+    assert isinstance(outcome["root"], Boom)
+    assert isinstance(outcome["follower"], PeerLostError), outcome
+    assert "the root's set-up failed" in str(outcome["follower"]), str(outcome["follower"])
+    assert root_left_at[0] - began < 1.0 + 1.5  # no 2 s wait for an Abort nobody sent

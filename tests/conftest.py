@@ -51,6 +51,7 @@ SOAK_MODULES = frozenset(
         "test_acceptance_leaks",
         "test_acceptance_no_hangs",
         "test_acceptance_no_hangs_r2",
+        "test_acceptance_no_hangs_r3",
         "test_follower_failures",
         "test_graceful_stop",
         "test_multinode",

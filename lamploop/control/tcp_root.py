@@ -337,6 +337,9 @@ class TcpControlRoot:
         left_open = False
         try:
             rank = await self._admit(conn)
+            if rank is not None and self._aborted and not self._stop_sent and not conn.finished:
+                # Joined after abort_run: told at once (no rendezvous will come), read until it closes.
+                await self._say_abort(self._abort_error)
             if rank is not None:
                 await self._serve_peer(conn, rank)
         except anyio.get_cancelled_exc_class():

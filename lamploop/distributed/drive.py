@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import pathlib
 import threading
-from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -106,6 +107,7 @@ async def until_a_peer_aborts(run: Awaitable[T], control: object | None) -> T:
     (:func:`~lamploop.local_control`) says so by ``wait_for_abort``, watched here, so that a
     rank that failed in one task does not hold the others in a collective until
     ``collective_timeout``.  A channel of your own without ``wait_for_abort`` is not watched.
+    ``run``'s own error wins over the peer's loss; a cancellation from outside stays one.
     """
     wait_for_abort = getattr(control, "wait_for_abort", None)
     if not callable(wait_for_abort):
@@ -119,13 +121,13 @@ async def until_a_peer_aborts(run: Awaitable[T], control: object | None) -> T:
         scope.cancel()
 
     async with anyio.create_task_group() as watcher:
+        # ``scope`` swallows the cancellation the watcher makes, and only that one.
         with anyio.CancelScope() as scope:
             watcher.start_soon(watch, scope)
             try:
                 result.append(await run)
             except anyio.get_cancelled_exc_class():
-                if not lost:
-                    raise
+                raise
             except BaseException as exc:  # raised as it is, below: the task group would wrap it
                 failure = exc
         watcher.cancel_scope.cancel()
@@ -136,7 +138,7 @@ async def until_a_peer_aborts(run: Awaitable[T], control: object | None) -> T:
     return result[0]
 
 
-async def abort_run(control: object, error: Exception) -> None:
+async def abort_run(control: object, error: BaseException) -> None:
     """Tell the peers at once that this rank's run failed with ``error``, where the channel can.
 
     Leaving the channel tells them anyway; a rank that stays in it after the failure (every
@@ -147,6 +149,26 @@ async def abort_run(control: object, error: Exception) -> None:
     abort = getattr(control, "abort_run", None)
     if callable(abort):
         await abort(error)
+
+
+@asynccontextmanager
+async def telling_peers_on_failure(control: object) -> AsyncIterator[None]:
+    """Around a driver's whole run: a failure (also a ``KeyboardInterrupt`` or ``SystemExit``
+    inside it) is told to the peers at once (:func:`abort_run`), also one before the ranks met;
+    a stop (:class:`TrainingInterrupted`) ends them with ``Stop`` instead.  A cancellation is
+    not told here: it may be this rank's answer to a peer's loss (:func:`until_a_peer_aborts`),
+    which the peers hear of from that peer; leaving the channel cancelled tells them too."""
+    try:
+        yield
+    except TrainingInterrupted:
+        raise
+    except FAILURES as exc:
+        await abort_run(control, exc)
+        raise
+
+
+FAILURES: Final = (Exception, KeyboardInterrupt, SystemExit)
+"""What a rank tells its peers of at once (:func:`abort_run`): its errors, not cancellations."""
 
 
 def check_place(nranks: int, device: torch.device | str, where: str) -> torch.device:
@@ -285,105 +307,100 @@ async def drive_distributed_training(
         ControlChannelError: the control channel failed; :class:`PeerLostError` names a lost rank.
         TrainingInterrupted: ``stop`` was requested; the checkpoint of the boundary is written.
     """
-    settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
-    torch_device = check_place(nranks, device, "drive_distributed_training")
-    check_host("drive_distributed_training: host", host)
-    check_driver_arguments(
-        "drive_distributed_training",
-        model,
-        train_batches,
-        validation_batches,
-        init_state=init_state,
-        checkpoint_state=checkpoint_state,
-    )
-    check_reporters("drive_distributed_training", reporters)
-    check_sharded_strategy("drive_distributed_training", settings, control=control)
-    check_averaging_starts("drive_distributed_training", settings.averaging, settings.max_epochs)
-    if settings.strategy == SHARDED and isinstance(checkpoint_state, Checkpointer):
-        msg = (
-            "drive_distributed_training: strategy 'fsdp' writes checkpoints with every rank's "
-            "shards, through checkpoint_position: pass checkpoint_position=checkpointer.save_position "
-            "instead of checkpoint_state=checkpointer"
+    async with telling_peers_on_failure(control):
+        settings = merged_settings(drive_distributed_training, locals(), SettingKeywords)
+        torch_device = check_place(nranks, device, "drive_distributed_training")
+        check_host("drive_distributed_training: host", host)
+        check_driver_arguments(
+            "drive_distributed_training",
+            model,
+            train_batches,
+            validation_batches,
+            init_state=init_state,
+            checkpoint_state=checkpoint_state,
         )
-        raise ConfigurationError(msg)
-    check_resume_point(checkpoint_position, init_position, init_rank_rngs, stop)
-    check_root_arguments(nranks, control, init_position)
-    emit = EventEmitter(reporters)
-    start_epoch = init_state.loop_state.epoch if init_state is not None else 0
-    summary = summarize(model.module) if emit else None  # once per run, when anyone listens
-    emit(RunStarted(nranks, start_epoch, settings.max_epochs, model_summary=summary))
-    module = model.module
-    # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
-    # answers the followers' handshakes, free meanwhile.
-    shards_from = _shards_on_disk(init_state, settings, nranks)
-    optimizer, base_lrs = await anyio.to_thread.run_sync(
-        set_up_root, module, torch_device, optimizer_factory, init_state if shards_from is None else None
-    )
-
-    async def connect() -> tuple[Any, str]:
-        await resolve_host(host, "drive_distributed_training")
-        store, port = create_store(host, nranks, settings.collective_timeout)
-        if control is not None:
-            await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
-            for rank in range(1, nranks):
-                emit(PeerJoined(rank, nranks))
-        return store, host
-
-    roots: list[RootEpochs] = []  # the root's effects, once its replica exists
-
-    plan = RankPlan(
-        rank=0,
-        nranks=nranks,
-        device=torch_device,
-        model=model,
-        optimizer=optimizer,
-        base_lrs=base_lrs,
-        train_batches=train_batches,
-        validation_batches=validation_batches,
-        settings=settings,
-        stop=stop,
-        save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
-        resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
-        saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},
-        extras=rank_extras(checkpoint_extras, 0, nranks),
-        best=init_state.best_model if init_state is not None else {},
-        shards_from=shards_from,
-    )
-    schedule_state = (
-        learning_rate_schedule_init_state
-        if learning_rate_schedule_init_state is not None
-        else settings.learning_rate_schedule.init()
-    )
-
-    async def run() -> tuple[RootEpochs, LoopState]:
-        async with open_replica(plan, connect, AbortSignal()) as replica:
-            root = RootEpochs(
-                replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state, emit
+        check_reporters("drive_distributed_training", reporters)
+        check_sharded_strategy("drive_distributed_training", settings, control=control)
+        check_averaging_starts("drive_distributed_training", settings.averaging, settings.max_epochs)
+        if settings.strategy == SHARDED and isinstance(checkpoint_state, Checkpointer):
+            msg = (
+                "drive_distributed_training: strategy 'fsdp' writes checkpoints with every rank's "
+                "shards, through checkpoint_position: pass checkpoint_position=checkpointer.save_position "
+                "instead of checkpoint_state=checkpointer"
             )
-            roots.append(root)
-            try:
-                state = await named_peer_failures(
-                    root.epochs(settings, validation_batches is not None), control, nranks
-                )
-            except TrainingInterrupted as stopped:
-                await root.tell(Stop(reason=str(stopped)))
-                raise
-            except Exception as exc:
-                await abort_run(control, exc)  # before the replica's teardown
-                raise
-            await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
-        return root, state
+            raise ConfigurationError(msg)
+        check_resume_point(checkpoint_position, init_position, init_rank_rngs, stop)
+        check_root_arguments(nranks, control, init_position)
+        emit = EventEmitter(reporters)
+        start_epoch = init_state.loop_state.epoch if init_state is not None else 0
+        summary = summarize(model.module) if emit else None  # once per run, when anyone listens
+        emit(RunStarted(nranks, start_epoch, settings.max_epochs, model_summary=summary))
+        module = model.module
+        # Can take seconds (a first optimizer imports torch._dynamo): keep the event loop, which
+        # answers the followers' handshakes, free meanwhile.
+        shards_from = _shards_on_disk(init_state, settings, nranks)
+        optimizer, base_lrs = await anyio.to_thread.run_sync(
+            set_up_root, module, torch_device, optimizer_factory, init_state if shards_from is None else None
+        )
 
-    # On failure no Stop is sent: the followers are aborted with the root's reason (at once,
-    # where the channel can, else when the caller leaves it) instead of ended as if all went
-    # well.  A follower that leaves first, also while the ranks set up, ends the run here.
-    try:
+        async def connect() -> tuple[Any, str]:
+            await resolve_host(host, "drive_distributed_training")
+            store, port = create_store(host, nranks, settings.collective_timeout)
+            if control is not None:
+                await control.on_rendezvous_ready(Rendezvous(host=host, port=port))
+                for rank in range(1, nranks):
+                    emit(PeerJoined(rank, nranks))
+            return store, host
+
+        roots: list[RootEpochs] = []  # the root's effects, once its replica exists
+
+        plan = RankPlan(
+            rank=0,
+            nranks=nranks,
+            device=torch_device,
+            model=model,
+            optimizer=optimizer,
+            base_lrs=base_lrs,
+            train_batches=train_batches,
+            validation_batches=validation_batches,
+            settings=settings,
+            stop=stop,
+            save=_on_the_event_loop(roots) if checkpoint_position is not None else None,
+            resume=(init_position, init_rank_rngs) if init_position is not None or init_rank_rngs else None,
+            saved=saved_beside_optimizer(init_state.optimizer) if init_state is not None else {},
+            extras=rank_extras(checkpoint_extras, 0, nranks),
+            best=init_state.best_model if init_state is not None else {},
+            shards_from=shards_from,
+        )
+        schedule_state = (
+            learning_rate_schedule_init_state
+            if learning_rate_schedule_init_state is not None
+            else settings.learning_rate_schedule.init()
+        )
+
+        async def run() -> tuple[RootEpochs, LoopState]:
+            async with open_replica(plan, connect, AbortSignal()) as replica:
+                root = RootEpochs(
+                    replica, control, checkpoint_state, checkpoint_position, init_state, schedule_state, emit
+                )
+                roots.append(root)
+                try:
+                    state = await named_peer_failures(
+                        root.epochs(settings, validation_batches is not None), control, nranks
+                    )
+                except TrainingInterrupted as stopped:
+                    await root.tell(Stop(reason=str(stopped)))
+                    raise
+                except FAILURES as exc:
+                    await abort_run(control, exc)  # before the replica's teardown
+                    raise
+                await root.tell(Stop(reason=finished_line(RunFinished(state, reason=root.end_reason))))
+            return root, state
+
+        # On failure no Stop is sent: the followers are aborted with the root's reason (at once,
+        # where the channel can, else when the caller leaves it) instead of ended as if all went
+        # well.  A follower that leaves first, also while the ranks set up, ends the run here.
         root, state = await until_a_peer_aborts(run(), control)
-    except TrainingInterrupted:
-        raise
-    except Exception as exc:
-        await abort_run(control, exc)
-        raise
-    await install_result(root.replica, root.best, train_batches, state.epoch)
-    emit(RunFinished(state, reason=root.end_reason))
-    return state
+        await install_result(root.replica, root.best, train_batches, state.epoch)
+        emit(RunFinished(state, reason=root.end_reason))
+        return state

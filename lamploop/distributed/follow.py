@@ -14,10 +14,12 @@ from lamploop.batches import BatchStreamFactory
 from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.control.commands import ControlFollower, Train, Valid
 from lamploop.distributed.drive import (
+    FAILURES,
     OptimizerFactory,
     abort_run,
     check_place,
     named_peer_failures,
+    telling_peers_on_failure,
     until_a_peer_aborts,
 )
 from lamploop.distributed.inputs import check_driver_arguments, check_follower_control
@@ -87,106 +89,107 @@ async def follow_distributed_training(
         DistributedError: the tensor channel failed or the ranks disagree.
         ControlChannelError: the control channel failed (refused, root lost...).
     """
-    settings = merged_settings(follow_distributed_training, locals(), RankSettingKeywords)
-    torch_device = check_place(nranks, device, "follow_distributed_training")
-    where = f"follow_distributed_training (rank {rank})"
-    check_driver_arguments(where, model, train_batches, validation_batches)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
-        msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
-        raise ConfigurationError(msg)
-    check_follower_control(where, control, nranks, rank)
-    module = model.module
-
-    def check_strategy() -> None:
-        check_sharded_strategy("follow_distributed_training", settings, control=control)
-        strategy = settings.strategy
-        if strategy != AUTO and strategy_named(strategy).steps_on_every_rank and optimizer_factory is None:
-            msg = (
-                f"follow_distributed_training: strategy {strategy!r} steps on every rank "
-                "and needs optimizer_factory"
-            )
+    async with telling_peers_on_failure(control):
+        settings = merged_settings(follow_distributed_training, locals(), RankSettingKeywords)
+        torch_device = check_place(nranks, device, "follow_distributed_training")
+        where = f"follow_distributed_training (rank {rank})"
+        check_driver_arguments(where, model, train_batches, validation_batches)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < nranks:
+            msg = f"follow_distributed_training: rank must be in 1..{nranks - 1}, got {rank!r}"
             raise ConfigurationError(msg)
+        check_follower_control(where, control, nranks, rank)
+        module = model.module
 
-    def set_up() -> torch.optim.Optimizer | None:
-        module.to(torch_device)
-        if optimizer_factory is None:
-            return None
-        return make_optimizer(optimizer_factory, module.parameters(), where="follow_distributed_training")
+        def check_strategy() -> None:
+            check_sharded_strategy("follow_distributed_training", settings, control=control)
+            strategy = settings.strategy
+            if (
+                strategy != AUTO
+                and strategy_named(strategy).steps_on_every_rank
+                and optimizer_factory is None
+            ):
+                msg = (
+                    f"follow_distributed_training: strategy {strategy!r} steps on every rank "
+                    "and needs optimizer_factory"
+                )
+                raise ConfigurationError(msg)
 
-    try:
-        check_strategy()
-        optimizer = await anyio.to_thread.run_sync(set_up)
-    except Exception as exc:
-        # Before this rank joined, the root could only see it leave ("exited with status 1"
-        # under fit): join, so that this error reaches the root (now, or on leaving the channel).
-        await _join_to_report(control)
-        await abort_run(control, exc)
-        raise
-    base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
-    rendezvous, commands = await control.join()
+        def set_up() -> torch.optim.Optimizer | None:
+            module.to(torch_device)
+            if optimizer_factory is None:
+                return None
+            return make_optimizer(optimizer_factory, module.parameters(), where="follow_distributed_training")
 
-    async def connect() -> tuple[Any, str]:
-        store = await anyio.to_thread.run_sync(
-            connect_store, rendezvous.host, rendezvous.port, nranks, settings.collective_timeout
+        try:
+            check_strategy()
+            optimizer = await anyio.to_thread.run_sync(set_up)
+        except Exception as exc:
+            # Before this rank joined, the root could only see it leave ("exited with status 1"
+            # under fit): join, so that this error reaches the root (now, or on leaving the channel).
+            await _join_to_report(control)
+            await abort_run(control, exc)
+            raise
+        base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
+        rendezvous, commands = await control.join()
+
+        async def connect() -> tuple[Any, str]:
+            store = await anyio.to_thread.run_sync(
+                connect_store, rendezvous.host, rendezvous.port, nranks, settings.collective_timeout
+            )
+            return store, rendezvous.host
+
+        plan = RankPlan(
+            rank=rank,
+            nranks=nranks,
+            device=torch_device,
+            model=model,
+            optimizer=optimizer,
+            base_lrs=base_lrs,
+            train_batches=train_batches,
+            validation_batches=validation_batches,
+            settings=settings,
+            stop=stop,
+            extras=rank_extras(checkpoint_extras, rank, nranks),
         )
-        return store, rendezvous.host
 
-    plan = RankPlan(
-        rank=rank,
-        nranks=nranks,
-        device=torch_device,
-        model=model,
-        optimizer=optimizer,
-        base_lrs=base_lrs,
-        train_batches=train_batches,
-        validation_batches=validation_batches,
-        settings=settings,
-        stop=stop,
-        extras=rank_extras(checkpoint_extras, rank, nranks),
-    )
+        async def run() -> None:
+            async with open_replica(plan, connect, AbortSignal()) as replica:
 
-    async def run() -> None:
-        async with open_replica(plan, connect, AbortSignal()) as replica:
+                async def obey() -> None:
+                    async for command in commands:
+                        # A sharded model's: the root's actions (best model, checkpoint, result) first.
+                        if replica.sharded is not None and await replica.sharded.follow_point():
+                            return
+                        if isinstance(command, Train):
+                            try:
+                                await replica.train(command.epoch, command.lr_factor)
+                            except EpochStopped:
+                                continue  # the root checkpoints and sends Stop
+                            except StreamExhausted:
+                                continue  # every rank's stream ended: the root ends the run and sends Stop
 
-            async def obey() -> None:
-                async for command in commands:
-                    # A sharded model's: the root's actions (best model, checkpoint, result) first.
-                    if replica.sharded is not None and await replica.sharded.follow_point():
-                        return
-                    if isinstance(command, Train):
-                        try:
-                            await replica.train(command.epoch, command.lr_factor)
-                        except EpochStopped:
-                            continue  # the root checkpoints and sends Stop
-                        except StreamExhausted:
-                            continue  # every rank's stream ended: the root ends the run and sends Stop
+                        elif isinstance(command, Valid):
+                            if validation_batches is None:
+                                msg = (
+                                    f"rank {rank}: the root validates in epoch {command.epoch}, "
+                                    "but this rank has no validation_batches"
+                                )
+                                raise ConfigurationError(msg)
+                            try:
+                                await replica.validate(command.epoch)
+                            except ValidationStopped:
+                                continue  # a stop in validation: the root ends the epoch (or not), sends Stop
+                        else:
+                            return
 
-                    elif isinstance(command, Valid):
-                        if validation_batches is None:
-                            msg = (
-                                f"rank {rank}: the root validates in epoch {command.epoch}, "
-                                "but this rank has no validation_batches"
-                            )
-                            raise ConfigurationError(msg)
-                        try:
-                            await replica.validate(command.epoch)
-                        except ValidationStopped:
-                            continue  # a stop in validation: the root ends the epoch (or not), sends Stop
-                    else:
-                        return
+                try:
+                    await named_peer_failures(obey(), control, nranks)
+                except FAILURES as exc:
+                    await abort_run(control, exc)  # before the replica's teardown
+                    raise
 
-            try:
-                await named_peer_failures(obey(), control, nranks)
-            except Exception as exc:
-                await abort_run(control, exc)  # before the replica's teardown
-                raise
-
-    # A root that leaves first, also while the ranks set up, ends the run here.
-    try:
+        # A root that leaves first, also while the ranks set up, ends the run here.
         await until_a_peer_aborts(run(), control)
-    except Exception as exc:
-        await abort_run(control, exc)
-        raise
 
 
 async def _join_to_report(control: ControlFollower) -> None:

@@ -126,7 +126,8 @@ class _Hub:
             self.receives[rank] = receive
         # A channel never entered (a driver refused its arguments first) closes its streams when
         # it is collected, instead of each warning that it was left open.
-        weakref.finalize(self, _close_streams, [*self.sends.values(), *self.receives.values()])
+        closing = weakref.finalize(self, _close_streams, [*self.sends.values(), *self.receives.values()])
+        closing.atexit = False  # not at exit: a second Ctrl-C there printed a traceback (CI run 23)
         if nranks == 1:
             self.all_joined.set()
 

@@ -123,11 +123,10 @@ async def follow_distributed_training(
         try:
             check_strategy()
             optimizer = await anyio.to_thread.run_sync(set_up)
-        except Exception as exc:
+        except Exception:
             # Before this rank joined, the root could only see it leave ("exited with status 1"
             # under fit): join, so that this error reaches the root (now, or on leaving the channel).
-            await _join_to_report(control)
-            await abort_run(control, exc)
+            await _join_to_report(control)  # then telling_peers_on_failure tells it at once
             raise
         base_lrs = learning_rates(optimizer)  # before the root's optimizer state arrives
         rendezvous, commands = await control.join()

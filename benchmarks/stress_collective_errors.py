@@ -140,6 +140,12 @@ cores, a rank's loop once went 4 s (the default timeout) without a turn (CI, 202
 liveness verdict on this harness, not the collective error these runs are about.  Liveness
 under load is tested with ranks in processes (tests/distributed/test_liveness_defaults.py)."""
 
+THREAD_RANKS_HANDSHAKE_TIMEOUT_S = 10.0
+"""The control channels' handshake timeout of :func:`threads_once`'s ranks, for the same reason:
+a follower's handshake once took over the default 5 s there (CI run 25, 2026-11-30: the root
+refused it as a stranger, "no valid hello within 5 s", the follower raised, and the root waited
+out its 60 s join timeout)."""
+
 
 def threads_once(
     nranks: int,
@@ -170,6 +176,7 @@ def threads_once(
             model_spec=spec,
             join_timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
+            handshake_timeout=THREAD_RANKS_HANDSHAKE_TIMEOUT_S,
         ) as control:
             address.append(control.address)
             listening.set()
@@ -196,6 +203,7 @@ def threads_once(
             token=token,
             model_spec=spec,
             heartbeat_timeout=heartbeat_timeout,
+            handshake_timeout=THREAD_RANKS_HANDSHAKE_TIMEOUT_S,
         ) as control:
             await lamploop.follow_distributed_training(
                 rank=rank,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+from support import free_port
 
 import lamploop
 import lamploop.averaging as averaging
@@ -369,15 +369,9 @@ def _train_pipeline(**changes: Any) -> object:
     }
     kwargs.update(changes)
     with pipeline.open_pipeline_group(
-        rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=10.0
+        rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=10.0
     ):
         return _run_async(pipeline.train_pipeline, kwargs)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _event() -> reporting.Event:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load as safetensors_load
+from support import free_port
 from torch import nn
 
 import lamploop
@@ -59,12 +60,6 @@ from records import load_record  # noqa: E402
 from warm_start import popen  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def batches_of(factory: Any, epoch: int) -> list[Any]:

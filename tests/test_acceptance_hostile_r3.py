@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import math
 import re
-import socket
 import struct
 import time
 import warnings
@@ -41,6 +40,7 @@ import anyio.abc
 import pytest
 import torch
 from anyio.streams.buffered import BufferedByteReceiveStream
+from support import free_port
 from torch import nn
 
 import lamploop
@@ -85,12 +85,6 @@ def _run(make: Callable[[], Awaitable[Any]], within: float = 15.0) -> Any:
             return await make()
 
     return anyio.run(main)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _seq() -> nn.Sequential:
@@ -184,7 +178,7 @@ def _train_pipeline(**changes: Any) -> Any:
         "max_epochs": 1,
     }
     kwargs.update(changes)
-    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=10):
+    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=10):
         return anyio.run(partial(pipeline.train_pipeline, **kwargs))
 
 
@@ -193,7 +187,7 @@ def _open_group(**changes: Any) -> Any:
         "rank": 0,
         "world_size": 1,
         "host": "127.0.0.1",
-        "port": _free_port(),
+        "port": free_port(),
         "timeout": 5,
     }
     kwargs.update(changes)
@@ -202,7 +196,7 @@ def _open_group(**changes: Any) -> Any:
 
 
 def _nested_groups() -> Any:
-    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=5):
+    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=5):
         return _open_group()
 
 

@@ -27,7 +27,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+from support import free_port
 from torch import nn
 
 import lamploop
@@ -82,12 +82,6 @@ def _run(make: Callable[[], Any]) -> Any:
             return await make()
 
     return anyio.run(main)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 MLP = {"sizes": [4, 2], "seed": 0}
@@ -137,7 +131,7 @@ def _train_pipeline(**changes: Any) -> Any:
         "max_epochs": 1,
     }
     kwargs.update(changes)
-    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=10):
+    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=10):
         return anyio.run(partial(pipeline.train_pipeline, **kwargs))
 
 
@@ -1354,7 +1348,7 @@ def test_a_one_stage_pipeline_with_micro_batches_and_an_epoch_schedule_is_hand_w
     model, reference = build(layers), build(layers)
     x, y = data(rows=32)
     schedule = lamploop.decrement(1, 0.5)
-    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=30):
+    with pipeline.open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=30):
         state = anyio.run(
             partial(
                 pipeline.train_pipeline,
@@ -1375,7 +1369,7 @@ def test_a_one_stage_pipeline_with_micro_batches_and_an_epoch_schedule_is_hand_w
 
 
 def _stage_processes(configs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], str]]:
-    port = _free_port()
+    port = free_port()
     processes = [
         subprocess.Popen(
             [sys.executable, str(WORKER), "stage", json.dumps({**config, "rank": rank, "port": port})],

@@ -23,6 +23,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
+from support import free_port
 
 import lamploop.control as control
 from lamploop.control import (
@@ -681,9 +682,7 @@ async def test_follower_gives_up_after_connect_timeout_with_a_clear_error() -> N
 async def test_followers_may_start_before_the_root_listens() -> None:
     """Handshake: 'TCP connect (retried with backoff until connect_timeout)', 'so followers may
     start first'."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # the root listens there later: below the range outgoing connections take
     seen: list[Any] = []
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tasks:

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import free_port
 
 from lamploop.distributed.launch import launch_env
 from lamploop.errors import ConfigurationError
@@ -57,12 +57,6 @@ worker = _load_worker()
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -163,11 +157,11 @@ def _torchrun(
 
 
 def _static_rdzv() -> list[str]:
-    return ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    return ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
 
 
 def _c10d_rdzv() -> list[str]:
-    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
 
 
 def _results(out: Path) -> dict[str, dict[str, Any]]:
@@ -338,7 +332,7 @@ def test_slurm_one_node_step_decides_ranks_from_slurm_variables(tmp_path: Path) 
     `LAMPLOOP_TOKEN` is required."  A one-node step (``srun --ntasks 2``) simulated by starting
     both tasks with Slurm's variables; the root is found through SLURM_JOB_NODELIST."""
     out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
-    port = str(_free_port())
+    port = str(free_port())
     commands = [
         (
             [sys.executable, *_worker_args(out, checkpoints)],

@@ -42,6 +42,7 @@ import anyio
 import attrs
 import pytest
 import torch
+from support import free_port
 
 import lamploop
 from lamploop import errors
@@ -124,12 +125,6 @@ def _progress_lines(path: Path) -> list[tuple[int, int, float]]:
     return [(int(epoch), int(index), float(at)) for epoch, index, at in lines]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie has exited)."""
     try:
@@ -172,7 +167,7 @@ class RankRun:
         if launch == "fit":
             ranks = {0: _clean_env()}
         else:
-            port = _free_port()
+            port = free_port()
             token = secrets.token_hex(16)
             ranks = {
                 rank: {

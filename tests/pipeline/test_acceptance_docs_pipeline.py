@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+from support import free_port
 from torch import nn
 
 from lamploop.errors import (
@@ -72,12 +72,6 @@ def _load_worker() -> Any:
 
 
 W = _load_worker()  # the model, data and batch order (plain torch), shared with the ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # --- the one-process reference, plain torch -------------------------------------------------
@@ -153,7 +147,7 @@ def _max_difference(got: dict[str, Any], expected: dict[str, torch.Tensor], stag
 def two_stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Both ranks' records of every phase, the run's directory and the processes' exit codes."""
     out = tmp_path_factory.mktemp("pipeline-acceptance")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     logs = [(out / f"rank-{rank}.log").open("w") for rank in (0, 1)]
     processes = [
@@ -532,7 +526,7 @@ def test_one_stage_on_one_rank_equals_one_process(ref_noop: dict[str, Any]) -> N
     if torch.distributed.is_initialized():
         pytest.skip("this process already has a default process group")
     model = W.make_model()
-    with open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=30):
+    with open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=30):
         state = anyio.run(_train_one_stage(model=model))
     assert not torch.distributed.is_initialized()  # "Leaving the block destroys the group"
     assert state.epoch == 2
@@ -549,7 +543,7 @@ def test_a_two_stage_spec_on_one_rank_is_refused() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("this process already has a default process group")
     with (
-        open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=_free_port(), timeout=30),
+        open_pipeline_group(rank=0, world_size=1, host="127.0.0.1", port=free_port(), timeout=30),
         pytest.raises(ConfigurationError),
     ):
         anyio.run(_train_one_stage(spec=PipelineSpec(boundaries=(2,), n_microbatches=4)))
@@ -564,7 +558,7 @@ def test_joining_waits_at_most_join_timeout() -> None:
     with (
         pytest.raises(DistributedError),
         open_pipeline_group(
-            rank=0, world_size=2, host="127.0.0.1", port=_free_port(), timeout=2, join_timeout=2
+            rank=0, world_size=2, host="127.0.0.1", port=free_port(), timeout=2, join_timeout=2
         ),
     ):
         pass

@@ -29,7 +29,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from support import cutting_relay
+from support import cutting_relay, free_port
 
 import lamploop
 from lamploop.errors import (
@@ -210,12 +210,6 @@ def workers(_worker_pool: _Pool) -> Iterator[Any]:
     finally:
         for process in taken:
             process.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # --- a reference of the documented draws ---------------------------------------------------
@@ -1195,7 +1189,7 @@ async def test_a_producer_whose_receiver_never_listens_fails_after_reconnect_tim
     """Nothing listens: the producer keeps trying for ``reconnect_timeout`` seconds, then the
     call that waits (``done``; for BlockingProducer also ``flush``) raises StreamingError."""
     token = _token()
-    address = ("127.0.0.1", _free_port())
+    address = ("127.0.0.1", free_port())
     reconnect_timeout = 1.0
 
     def simulate() -> float:
@@ -1805,7 +1799,7 @@ async def test_a_trainer_sigkilled_mid_epoch_resumes_without_losing_or_repeating
     the resumed run's, read every sample of both producers exactly twice, in 10 epochs."""
     token = _token()
     n, names = 60, ["sim-0", "sim-1"]
-    port = _free_port()
+    port = free_port()
     ckpt, log = tmp_path / "ckpt", tmp_path / "batches.log"
     finished = anyio.Event()
     generator = torch.Generator().manual_seed(0)

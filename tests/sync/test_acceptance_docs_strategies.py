@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import free_port
 from workers import acceptance_strategies_rank as worker
 from workers.records import load_record
 
@@ -69,17 +69,11 @@ multiprocess = pytest.mark.timeout(90)
 # --- the pair of ranks -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' records of every check of the worker (one run for the whole module)."""
     out = tmp_path_factory.mktemp("strategies")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [open(out / f"log{r}.txt", "wb") for r in range(worker.NRANKS)]  # noqa: SIM115
     processes = [

@@ -585,20 +585,8 @@ def _sweep() -> list[Any]:
                         # (started after it listens) connect; they retry until connect_timeout
                         # (60 s), as a follower started before its root must.
                         continue
-                    marks = list(KNOWN.get((hosting, where, failing == 0), ()))
-                    cases.append(pytest.param(hosting, nranks, where, failing, marks=marks))
+                    cases.append(pytest.param(hosting, nranks, where, failing))
     return cases
-
-
-THREAD_LEFT = (
-    "LEFT (noted in the CHANGELOG): a follower's optimizer_factory raises as the ranks set up: every "
-    "rank ends naming it, but each surviving rank's 'lamploop rank worker' thread (a daemon) is left "
-    "blocked in dist.ProcessGroupGloo(store, ...) (replica.join -> new_process_group) until the "
-    "collective timeout (1800 s by default), waiting for the failed rank to reach the store"
-)
-KNOWN: dict[tuple[str, str, bool], tuple[Any, ...]] = {
-    (hosting, "setup", False): (pytest.mark.xfail(strict=True, reason=THREAD_LEFT),) for hosting in HOSTINGS
-}
 
 
 @pytest.mark.timeout(90)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lamploop.distributed.network import gloo_interface, local_address_towards
 from lamploop.errors import ConfigurationError, DistributedError
-from lamploop.sync.collectives import Group
+from lamploop.sync.collectives import POLL_S, AbortSignal, Group, WaitAborted
 
 __all__ = [
     "RESOLVE_TIMEOUT_S",
@@ -38,6 +38,9 @@ _TRIES_LEFT_SHARE = 3.0
 """A try of torch's store client gets the time left divided by this (it overruns by up to 2.5 times)."""
 
 _SHORTEST_TRY_S = 0.1
+
+_ARRIVED_KEY = "arrived"
+"""The store's count of the ranks that reached :func:`new_process_group`."""
 
 
 async def resolve_host(host: str, where: str) -> None:
@@ -142,15 +145,19 @@ def new_process_group(
     timeout: float,
     prefix: str,
     root_host: str = "127.0.0.1",
+    abort: AbortSignal | None = None,
 ) -> Group:
     """A Gloo (CPU) or NCCL (CUDA) process group over ``store`` (blocks until every rank joins).
 
     ``root_host`` is the address the ranks reach the root at: Gloo binds to the local
-    interface that routes there (see :mod:`lamploop.distributed.network`).
+    interface that routes there (see :mod:`lamploop.distributed.network`).  The wait for the
+    other ranks ends when ``abort`` is set (:class:`~lamploop.sync.collectives.WaitAborted`)
+    or after ``timeout`` seconds (:class:`~lamploop.errors.DistributedError`).
     """
     scoped = dist.PrefixStore(prefix, store)
     span = datetime.timedelta(seconds=timeout)
     try:
+        _wait_for_every_rank(scoped, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
         if device.type == "cuda":
             if not dist.is_nccl_available():
                 msg = f"device {device} needs NCCL, which this build of torch lacks"
@@ -165,3 +172,31 @@ def new_process_group(
     except RuntimeError as exc:
         msg = f"rank {rank} of {nranks} could not join the process group: {exc}"
         raise DistributedError(msg) from exc
+
+
+def _wait_for_every_rank(
+    store: dist.Store, *, rank: int, nranks: int, timeout: float, abort: AbortSignal | None
+) -> None:
+    """Until every rank has reached the store, looking at ``abort`` between looks at the count.
+
+    Gloo's and NCCL's constructors wait for the other ranks inside torch, out of any signal's
+    reach, for the whole collective timeout: a rank that failed as the ranks set up (its
+    optimizer factory raised) left its peers' worker threads blocked there for 30 minutes
+    after their runs had ended.  Once every rank has arrived, the constructors wait for no one.
+    """
+    store.set(f"{_ARRIVED_KEY}/{rank}", "1")
+    arrived = int(store.add(_ARRIVED_KEY, 1))
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while arrived < nranks:
+        if abort is not None and abort.is_set():
+            msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: "
+            raise WaitAborted(msg + abort.reason)
+        if time.monotonic() >= deadline:
+            missing = [other for other in range(nranks) if not store.check([f"{_ARRIVED_KEY}/{other}"])]
+            msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group"
+            msg += f" within {timeout:g} s"
+            raise DistributedError(msg)
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S / 2)
+        arrived = int(store.add(_ARRIVED_KEY, 0))

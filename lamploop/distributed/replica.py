@@ -239,6 +239,7 @@ async def _ranks_replica(
             timeout=settings.collective_timeout,
             prefix=_STORE_PREFIX,
             root_host=root_host,
+            abort=abort,
         )
         collectives = Collectives(
             group,

@@ -1,0 +1,101 @@
+"""Joining a process group waits for the other ranks within reach of the abort signal.
+
+Gloo's constructor waits for every rank inside torch for the whole collective timeout, out of
+any signal's reach: a follower whose optimizer factory raised as the ranks set up left each
+survivor's worker thread blocked there for 30 minutes after every rank's run had ended
+(tests/test_acceptance_no_hangs_r3.py, the ``setup`` cases).  These tests take
+:func:`new_process_group` alone, with a real ``TCPStore`` and real Gloo groups, ranks as threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from lamploop.distributed.process_group import connect_store, create_store, new_process_group
+from lamploop.errors import DistributedError
+from lamploop.sync.collectives import POLL_S, AbortSignal, WaitAborted
+
+pytestmark = pytest.mark.timeout(60)
+
+CPU = torch.device("cpu")
+
+
+def _join(store: Any, rank: int, nranks: int, *, timeout: float, abort: AbortSignal | None = None) -> Any:
+    return new_process_group(
+        store, rank=rank, nranks=nranks, device=CPU, timeout=timeout, prefix="test", abort=abort
+    )
+
+
+def _in_thread(work: Any) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # the outcome is what the test looks at
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_rank_waiting_for_one_that_never_comes_ends_when_the_abort_is_set() -> None:
+    store, _ = create_store("127.0.0.1", 2, 30.0)
+    abort = AbortSignal()
+    thread, outcome = _in_thread(lambda: _join(store, 0, 2, timeout=30.0, abort=abort))
+    time.sleep(0.5)
+    assert thread.is_alive(), outcome  # rank 1 never comes: still waiting
+    abort.set("rank 1 aborted the run: its optimizer factory raised")
+    set_at = time.monotonic()
+    thread.join(10)
+    took = time.monotonic() - set_at
+    assert not thread.is_alive(), "the join did not end after the abort"
+    assert took < 2 * POLL_S + 0.5, took
+    (error,) = outcome
+    assert isinstance(error, WaitAborted), repr(error)
+    assert "rank 0: gave up waiting for the other ranks to join the process group" in str(error)
+    assert "its optimizer factory raised" in str(error)
+
+
+def test_a_rank_that_never_comes_is_named_after_the_timeout() -> None:
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    clients = [store, connect_store("127.0.0.1", port, 3, 30.0)]
+    joins = [_in_thread(lambda rank=rank: _join(clients[rank], rank, 3, timeout=1.0)) for rank in (0, 1)]
+    start = time.monotonic()
+    for thread, _ in joins:
+        thread.join(20)
+    took = time.monotonic() - start
+    assert 0.9 <= took < 5.0, took
+    for rank, (thread, outcome) in enumerate(joins):
+        assert not thread.is_alive()
+        (error,) = outcome
+        assert isinstance(error, DistributedError), repr(error)
+        assert not isinstance(error, WaitAborted), repr(error)
+        assert f"rank {rank} of 3: ranks [2] did not join the process group within 1 s" in str(error)
+
+
+def test_ranks_that_all_come_get_a_working_group_however_late_one_is() -> None:
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    clients = [store, connect_store("127.0.0.1", port, 2, 30.0)]
+    abort = AbortSignal()
+
+    def join_and_sum(rank: int) -> float:
+        if rank == 1:
+            time.sleep(0.7)  # past several of rank 0's looks at the count
+        group = _join(clients[rank], rank, 2, timeout=30.0, abort=abort)
+        tensor = torch.tensor([float(rank + 1)])
+        group.allreduce([tensor]).wait()
+        return float(tensor.item())
+
+    joins = [_in_thread(lambda rank=rank: join_and_sum(rank)) for rank in (0, 1)]
+    for thread, _ in joins:
+        thread.join(30)
+    assert [outcome for _, outcome in joins] == [[3.0], [3.0]]
+    assert not abort.is_set()
+

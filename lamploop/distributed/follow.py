@@ -132,8 +132,14 @@ async def follow_distributed_training(
         rendezvous, commands = await control.join()
 
         async def connect() -> tuple[Any, str]:
+            # Abandoned on cancellation (a peer lost meanwhile): torch's client cannot be interrupted.
             store = await anyio.to_thread.run_sync(
-                connect_store, rendezvous.host, rendezvous.port, nranks, settings.collective_timeout
+                connect_store,
+                rendezvous.host,
+                rendezvous.port,
+                nranks,
+                settings.collective_timeout,
+                abandon_on_cancel=True,
             )
             return store, rendezvous.host
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from collections.abc import Callable
+from typing import Final
 
 import anyio
 import anyio.to_thread
@@ -41,6 +43,12 @@ _SHORTEST_TRY_S = 0.1
 
 _ARRIVED_KEY = "arrived"
 """The store's count of the ranks that reached :func:`new_process_group`."""
+
+_GAVE_UP_KEY = "gave-up"
+"""Set, under the rank's number, by a rank that stopped waiting for the others."""
+
+_GAVE_UP: Final = 1 << 40
+"""Taken off the count by a rank that stops waiting: the count never reaches the world size again."""
 
 
 async def resolve_host(host: str, where: str) -> None:
@@ -123,8 +131,9 @@ def connect_store(host: str, port: int, nranks: int, timeout: float) -> dist.TCP
         raise DistributedError(msg) from exc
 
 
-def _gloo(store: dist.Store, rank: int, nranks: int, span: datetime.timedelta, root_host: str) -> Group:
-    """A Gloo group bound to ``GLOO_SOCKET_IFNAME`` if set, else to the interface that reaches the root."""
+def _gloo(rank: int, nranks: int, span: datetime.timedelta, root_host: str) -> Callable[[dist.Store], Group]:
+    """A Gloo group's constructor: bound to ``GLOO_SOCKET_IFNAME`` if set, else to the interface
+    that reaches the root."""
     interface = gloo_interface()
     if interface is not None:
         device = dist.ProcessGroupGloo.create_device(interface=interface)
@@ -133,7 +142,19 @@ def _gloo(store: dist.Store, rank: int, nranks: int, span: datetime.timedelta, r
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from the stubs
     options._timeout = span
     options._devices = [device]
-    return dist.ProcessGroupGloo(store, rank, nranks, options)
+    return lambda store: dist.ProcessGroupGloo(store, rank, nranks, options)
+
+
+def _nccl(
+    device: torch.device, rank: int, nranks: int, span: datetime.timedelta
+) -> Callable[[dist.Store], Group]:
+    """An NCCL group's constructor."""
+    if not dist.is_nccl_available():
+        msg = f"device {device} needs NCCL, which this build of torch lacks"
+        raise DistributedError(msg)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = span
+    return lambda store: dist.ProcessGroupNCCL(store, rank, nranks, options)
 
 
 def new_process_group(
@@ -151,24 +172,24 @@ def new_process_group(
 
     ``root_host`` is the address the ranks reach the root at: Gloo binds to the local
     interface that routes there (see :mod:`lamploop.distributed.network`).  The wait for the
-    other ranks ends when ``abort`` is set (:class:`~lamploop.sync.collectives.WaitAborted`)
-    or after ``timeout`` seconds (:class:`~lamploop.errors.DistributedError`).
+    other ranks ends when ``abort`` is set (:class:`~lamploop.sync.collectives.WaitAborted`),
+    when another rank gave up, or after ``timeout`` seconds
+    (:class:`~lamploop.errors.DistributedError`).
     """
     scoped = dist.PrefixStore(prefix, store)
     span = datetime.timedelta(seconds=timeout)
     try:
-        _wait_for_every_rank(scoped, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
+        # Whatever can fail on this rank alone, before it counts as arrived: past the count,
+        # the others wait for it inside torch, out of the abort signal's reach.
         if device.type == "cuda":
-            if not dist.is_nccl_available():
-                msg = f"device {device} needs NCCL, which this build of torch lacks"
-                raise DistributedError(msg)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = span
-            return dist.ProcessGroupNCCL(scoped, rank, nranks, options)
-        if device.type != "cpu":
+            construct = _nccl(device, rank, nranks, span)
+        elif device.type == "cpu":
+            construct = _gloo(rank, nranks, span, root_host)
+        else:
             msg = f"device type {device.type!r} is not supported by the tensor channel (cpu or cuda)"
             raise ConfigurationError(msg)
-        return _gloo(scoped, rank, nranks, span, root_host)
+        _wait_for_every_rank(scoped, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
+        return construct(scoped)
     except RuntimeError as exc:
         msg = f"rank {rank} of {nranks} could not join the process group: {exc}"
         raise DistributedError(msg) from exc
@@ -182,21 +203,56 @@ def _wait_for_every_rank(
     Gloo's and NCCL's constructors wait for the other ranks inside torch, out of any signal's
     reach, for the whole collective timeout: a rank that failed as the ranks set up (its
     optimizer factory raised) left its peers' worker threads blocked there for 30 minutes
-    after their runs had ended.  Once every rank has arrived, the constructors wait for no one.
+    after their runs had ended.  A rank that stops waiting (aborted, timed out) takes its
+    arrival back atomically with the count (:data:`_GAVE_UP`), so that no rank that comes later
+    passes into the constructor to wait for it; one that finds everyone arrived as it gives up
+    goes on into the constructor, as everyone else does.  Once past here, the constructors
+    wait for no one.
+
+    Raises:
+        WaitAborted: ``abort`` was set.
+        DistributedError: the timeout passed (naming the ranks that never came), another rank
+            gave up (naming it), or the store stopped answering.
     """
-    store.set(f"{_ARRIVED_KEY}/{rank}", "1")
-    arrived = int(store.add(_ARRIVED_KEY, 1))
-    deadline = time.monotonic() + timeout
-    pause = 0.001
-    while arrived < nranks:
-        if abort is not None and abort.is_set():
-            msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: "
-            raise WaitAborted(msg + abort.reason)
-        if time.monotonic() >= deadline:
-            missing = [other for other in range(nranks) if not store.check([f"{_ARRIVED_KEY}/{other}"])]
-            msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group"
-            msg += f" within {timeout:g} s"
+    try:
+        store.set(f"{_ARRIVED_KEY}/{rank}", "1")
+        arrived = int(store.add(_ARRIVED_KEY, 1))
+        deadline = time.monotonic() + timeout
+        pause = 0.001
+        while 0 <= arrived < nranks:
+            if abort is not None and abort.is_set():
+                if _give_up(store, rank) >= nranks:
+                    return
+                msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: "
+                raise WaitAborted(msg + abort.reason)
+            if time.monotonic() >= deadline:
+                if _give_up(store, rank) >= nranks:
+                    return
+                msg = f"rank {rank} of {nranks}: ranks {_ranks(store, nranks, _ARRIVED_KEY, False)} did not"
+                msg += f" join the process group within {timeout:g} s"
+                raise DistributedError(msg)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S / 2)
+            arrived = int(store.add(_ARRIVED_KEY, 0))
+        if arrived < 0:
+            gone = _ranks(store, nranks, _GAVE_UP_KEY, True)
+            msg = f"rank {rank} of {nranks}: ranks {gone} gave up joining the process group"
+            missing = _ranks(store, nranks, _ARRIVED_KEY, False)
+            if missing:
+                msg += f"; ranks {missing} never reached it"
             raise DistributedError(msg)
-        time.sleep(pause)
-        pause = min(pause * 2, POLL_S / 2)
-        arrived = int(store.add(_ARRIVED_KEY, 0))
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
+        msg = f"rank {rank} of {nranks}: the root's store stopped answering as the ranks joined the"
+        msg += f" process group (is the root gone?): {exc}"
+        raise DistributedError(msg) from exc
+
+
+def _give_up(store: dist.Store, rank: int) -> int:
+    """Take this rank's arrival back; how many had arrived at that moment."""
+    store.set(f"{_GAVE_UP_KEY}/{rank}", "1")
+    return int(store.add(_ARRIVED_KEY, -_GAVE_UP)) + _GAVE_UP
+
+
+def _ranks(store: dist.Store, nranks: int, key: str, marked: bool) -> list[int]:
+    """The ranks whose mark under ``key`` is there (``marked``) or not."""
+    return [rank for rank in range(nranks) if store.check([f"{key}/{rank}"]) == marked]

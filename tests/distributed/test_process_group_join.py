@@ -9,6 +9,7 @@ survivor's worker thread blocked there for 30 minutes after every rank's run had
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -77,7 +78,12 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout() -> None:
         (error,) = outcome
         assert isinstance(error, DistributedError), repr(error)
         assert not isinstance(error, WaitAborted), repr(error)
-        assert f"rank {rank} of 3: ranks [2] did not join the process group within 1 s" in str(error)
+        # The first to time out names rank 2; the other may find that one gave up first.
+        assert str(error) in (
+            f"rank {rank} of 3: ranks [2] did not join the process group within 1 s",
+            f"rank {rank} of 3: ranks [{1 - rank}] gave up joining the process group; "
+            "ranks [2] never reached it",
+        )
 
 
 def test_ranks_that_all_come_get_a_working_group_however_late_one_is() -> None:
@@ -99,3 +105,40 @@ def test_ranks_that_all_come_get_a_working_group_however_late_one_is() -> None:
     assert [outcome for _, outcome in joins] == [[3.0], [3.0]]
     assert not abort.is_set()
 
+
+
+def test_ranks_that_come_after_one_gave_up_do_not_wait_for_it() -> None:
+    """Rank 0 arrives, waits out its own timeout and leaves; ranks 1 and 2 come after.  Had its
+    arrival stayed counted, they would pass into Gloo's constructor and wait there for rank 0,
+    out of any signal's reach, for their whole (here 30 s) timeout."""
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]
+    with pytest.raises(DistributedError, match=r"rank 0 of 3: ranks \[1, 2\] did not join"):
+        _join(clients[0], 0, 3, timeout=0.3)
+    start = time.monotonic()
+    joins = [_in_thread(lambda rank=rank: _join(clients[rank], rank, 3, timeout=30.0)) for rank in (1, 2)]
+    for thread, _ in joins:
+        thread.join(20)
+    took = time.monotonic() - start
+    assert took < 2.0, took
+    for rank, (thread, outcome) in zip((1, 2), joins, strict=True):
+        assert not thread.is_alive()
+        (error,) = outcome
+        assert isinstance(error, DistributedError), repr(error)
+        # (the other of the two may not have reached the store yet: named as not there)
+        assert str(error).startswith(f"rank {rank} of 3: ranks [0] gave up joining the process group")
+
+
+def test_a_store_that_goes_away_is_named_as_the_cause() -> None:
+    """The root's store closes (its process died) while a follower waits for the others."""
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    client = connect_store("127.0.0.1", port, 2, 5.0)
+    thread, outcome = _in_thread(lambda: _join(client, 1, 2, timeout=30.0))
+    time.sleep(0.3)
+    del store  # the last reference: the server stops
+    gc.collect()
+    thread.join(20)
+    assert not thread.is_alive(), "still waiting on a store that is gone"
+    (error,) = outcome
+    assert isinstance(error, DistributedError), repr(error)
+    assert "the root's store stopped answering as the ranks joined the process group" in str(error)

@@ -180,7 +180,8 @@ class FromEpochCount(_Stateless):
             raise ConfigurationError(msg) from exc
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # e.g. a function without `return`
             msg = (
-                f"from_epoch_count: {self._name()}({epoch}) returned {value!r:.60}, not a number; "
+                f"from_epoch_count: {self._name()}({epoch}) returned {value!r:.60} for epoch {epoch}, "
+                "not a number; "
                 "a factor must be a finite number (<= 0 ends training)"
             )
             raise ConfigurationError(msg)

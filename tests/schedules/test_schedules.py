@@ -455,7 +455,8 @@ def test_an_epoch_function_that_returns_no_number_is_named() -> None:
         epoch * 0.5  # the mistake under test: no return
 
     schedule = schedules.from_epoch_count(forgot_to_return)
-    with pytest.raises(ConfigurationError, match=r"forgot_to_return\(3\) returned None, not a number"):
+    returned = r"forgot_to_return\(3\) returned None for epoch 3, not a number"
+    with pytest.raises(ConfigurationError, match=returned):
         schedule.learning_rate_factor(schedule.init(), 3, None)
 
 

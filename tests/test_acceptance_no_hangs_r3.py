@@ -635,21 +635,11 @@ BASE_EXCEPTIONS = {
 }
 
 
-CANCELLED_LEFT = (
-    "LEFT (noted in the CHANGELOG): an asyncio.CancelledError raised by the user's forward (no scope "
-    "was cancelled), every rank inside one `async with root, follower, task group`, the rank's task "
-    "catching it: the drivers tell their peers of errors, KeyboardInterrupt and SystemExit at once "
-    "(abort_run), not of cancellations (a rank's own answer to a peer's loss is one), so the peer "
-    "waits in the step's collective until collective_timeout or until the rank leaves its channel"
-)
-
-
 def _base_cases() -> list[Any]:
     cases = [pytest.param(kind, failing, "tcp") for kind in BASE_EXCEPTIONS for failing in (0, 1)]
     cases.append(pytest.param("keyboard", 1, "local-all"))
     cases.append(pytest.param("exit", 0, "local-all"))
-    marks = (pytest.mark.soak, pytest.mark.xfail(strict=True, reason=CANCELLED_LEFT))
-    cases.append(pytest.param("cancelled", 1, "local-all", marks=marks))
+    cases.append(pytest.param("cancelled", 1, "local-all"))
     return cases
 
 

@@ -60,6 +60,7 @@ from lamploop.distributed.root_setup import (
     set_up_root,
 )
 from lamploop.distributed.sharded_checks import SHARDED, check_sharded_strategy
+from lamploop.distributed.worker import raised_by_work
 from lamploop.errors import ConfigurationError, DistributedError, TrainingInterrupted
 from lamploop.loop.boundary import EpochPosition
 from lamploop.loop.stop_request import StopRequest
@@ -157,13 +158,19 @@ async def telling_peers_on_failure(control: object) -> AsyncIterator[None]:
     inside it) is told to the peers at once (:func:`abort_run`), also one before the ranks met;
     a stop (:class:`TrainingInterrupted`) ends them with ``Stop`` instead.  A cancellation is
     not told here: it may be this rank's answer to a peer's loss (:func:`until_a_peer_aborts`),
-    which the peers hear of from that peer; leaving the channel cancelled tells them too."""
+    which the peers hear of from that peer; leaving the channel cancelled tells them too.  One
+    that the rank's own step raised (no scope cancelled it: :func:`raised_by_work`) is told."""
     try:
         yield
     except TrainingInterrupted:
         raise
     except FAILURES as exc:
         await abort_run(control, exc)
+        raise
+    except BaseException as exc:
+        if raised_by_work(exc):  # a cancellation exception the user's step raised: an error
+            with anyio.CancelScope(shield=True):
+                await abort_run(control, exc)
         raise
 
 

@@ -31,7 +31,7 @@ import functools
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar, cast
+from typing import Final, TypeVar, cast
 
 import anyio
 import anyio.from_thread
@@ -41,7 +41,16 @@ import anyio.to_thread
 from lamploop.errors import DistributedError, error_detected_by_every_rank
 from lamploop.sync.collectives import DEFAULT_GIVE_UP_AFTER_S, AbortSignal
 
-__all__ = ["EpochRunner", "RankThread", "open_rank_thread", "run_here", "run_on_worker", "worker_runner"]
+__all__ = [
+    "EpochRunner",
+    "RankThread",
+    "mark_raised_by_work",
+    "open_rank_thread",
+    "raised_by_work",
+    "run_here",
+    "run_on_worker",
+    "worker_runner",
+]
 
 T = TypeVar("T")
 _CANCELLED = "the run was cancelled on this rank (the control channel failed or the caller gave up)"
@@ -137,7 +146,11 @@ class RankThread:
             raise
         ok, value = outcome[0]
         if not ok:
-            raise cast(BaseException, value)
+            error = cast(BaseException, value)
+            if isinstance(error, anyio.get_cancelled_exc_class()):
+                # Nothing cancelled this task: the job's own code raised it (a user's forward).
+                mark_raised_by_work(error)
+            raise error
         return cast(T, value)
 
     async def _close(self) -> None:
@@ -173,3 +186,20 @@ def worker_runner(thread: RankThread) -> EpochRunner:
         return await thread.run(functools.partial(anyio.run, epoch))
 
     return run
+
+
+_RAISED_BY_WORK: Final = "_lamploop_raised_by_work"
+
+
+def mark_raised_by_work(error: BaseException) -> None:
+    """Note that ``error``, a cancellation exception, was raised by a rank's work, not by a cancellation."""
+    setattr(error, _RAISED_BY_WORK, True)
+
+
+def raised_by_work(error: BaseException) -> bool:
+    """Whether ``error`` is a cancellation exception that a rank's work raised (:func:`mark_raised_by_work`).
+
+    The drivers tell their peers of it as of an error: no cancel scope made it, so it is not
+    the rank's answer to a peer's loss.
+    """
+    return bool(getattr(error, _RAISED_BY_WORK, False))

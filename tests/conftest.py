@@ -53,6 +53,7 @@ SOAK_MODULES = frozenset(
         "test_acceptance_no_hangs_r2",
         "test_acceptance_no_hangs_r3",
         "test_acceptance_hostile_r5",
+        "test_acceptance_hostile_r7",
         "test_acceptance_docs_r6",
         "test_follower_failures",
         "test_graceful_stop",

@@ -113,6 +113,7 @@ class _Hub:
         # for the ranks' wait_for_abort (a rank blocked in a collective reads no command).
         self.follower_aborted = anyio.Event()
         self.aborted_rank = 0  # the first follower that set follower_aborted
+        self.first_follower_failure: BaseException | None = None  # what its abort_run was given
         self.root_aborted: _Aborted | None = None
         self.root_aborted_event = anyio.Event()
         self.finished = False  # the root broadcast Stop
@@ -181,6 +182,16 @@ class LocalControlRoot:
     def nranks(self) -> int:
         """The world size this channel was made for, root included."""
         return self._hub.nranks
+
+    @property
+    def first_follower_failure(self) -> BaseException | None:
+        """The error the first follower that failed gave its ``abort_run``, as it was raised there.
+
+        The ranks share one process: :func:`~lamploop.distributed.local_data_parallel_training_loop`
+        raises this rather than the root's :class:`PeerLostError` quoting it, should the
+        follower's own unwinding be cancelled before its error reached the caller.
+        """
+        return self._hub.first_follower_failure
 
     async def __aenter__(self) -> LocalControlRoot:
         return self
@@ -360,6 +371,8 @@ class LocalControlFollower:
         later adds nothing.
         """
         who = f"follower of rank {self.rank}"
+        if self._hub.first_follower_failure is None:
+            self._hub.first_follower_failure = error
         self._close(_describe_exit(error, who), _how_left(error), _every_rank(error))
 
     async def wait_for_abort(self) -> PeerLostError:

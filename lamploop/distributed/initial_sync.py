@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 
@@ -26,7 +27,7 @@ from lamploop.modelspec import model_spec
 from lamploop.sync.collectives import Collectives
 from lamploop.sync.strategy import AUTO, SyncStrategy, strategy_named
 
-__all__ = ["initial_sync", "share_resume_point"]
+__all__ = ["described_names", "frozen_parameters", "initial_sync", "share_resume_point"]
 
 logger = logging.getLogger("lamploop")
 
@@ -88,6 +89,14 @@ def initial_sync(
     collectives.check_agreement(
         "the model's parameter names, shapes and dtypes", model_spec(module).fingerprint()
     )
+    # What is trained decides the gradient buckets: ranks that differ here would exchange
+    # buffers of other sizes, which Gloo answers by aborting the process.
+    frozen = frozen_parameters(module)
+    collectives.check_agreement(
+        "the model's frozen parameters (requires_grad=False)",
+        hashlib.sha256("\n".join(frozen).encode()).hexdigest(),
+        shown=described_names(frozen),
+    )
     collectives.broadcast_tensors(list(module.state_dict().values()), "root's model state")
     if not strategy.steps_on_every_rank:
         return strategy, optimizer if collectives.rank == 0 else None
@@ -146,3 +155,16 @@ def share_resume_point(
         metric_sums=tuple(tuple(float(v) for v in sums) for sums in raw.get("metric_sums", ())),
     )
     return position, bool(shared["keep_rngs"])
+
+
+def frozen_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that are not trained (``requires_grad=False``), in order."""
+    return [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
+
+
+def described_names(names: Sequence[str], shown: int = 4) -> str:
+    """``names`` for a message: the first few, and how many more; ``"none"`` when empty."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -5,7 +5,8 @@ Three launchers are understood, checked in this order:
 - lamploop itself: ``fit(world_size=n)`` run without a launcher becomes rank 0
   and starts ranks ``1..n-1`` by running the same command line again with
   ``LAMPLOOP_RANK``, ``LAMPLOOP_WORLD_SIZE``, ``LAMPLOOP_CONTROL`` (host:port)
-  and ``LAMPLOOP_TOKEN`` set;
+  and ``LAMPLOOP_TOKEN`` set (and ``LAMPLOOP_FAILURE_FILE``, where such a rank's ``fit``
+  writes the error it fails with, for the root to name once the rank has exited);
 - ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
   ``MASTER_PORT``): rank 0 listens on a free port and publishes it in torchrun's own
   store.  Without ``LAMPLOOP_TOKEN`` it also publishes a fresh token there, but only when
@@ -21,15 +22,18 @@ Three launchers are understood, checked in this order:
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import logging
 import os
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+import tempfile
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import attrs
@@ -58,6 +62,7 @@ __all__ = [
     "LaunchEnv",
     "default_launch_command",
     "launch_env",
+    "noting_failure_for_the_root",
     "open_follower_control",
     "open_root",
     "open_root_control",
@@ -65,6 +70,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger("lamploop.distributed")
+
+FAILURE_FILE_VARIABLE = "LAMPLOOP_FAILURE_FILE"
+P = ParamSpec("P")
+T = TypeVar("T")
+_FAILURE_NOTE_CHARS = 600
 
 DEFAULT_SLURM_CONTROL_PORT = 29511
 _STORE_TIMEOUT_S = 120.0
@@ -524,10 +534,55 @@ def spawn_followers(
         tasks.start_soon(_run_child, argv, env, rank, ending or _Ending())
 
 
+def noting_failure_for_the_root(
+    run: Callable[P, Coroutine[Any, Any, T]],
+) -> Callable[P, Coroutine[Any, Any, T]]:
+    """``run`` (``fit_async``), which on a rank that ``fit(world_size=n)`` started also writes the
+    error it fails with to ``LAMPLOOP_FAILURE_FILE``, for the root to name: a rank that fails
+    before it joined the run is otherwise only an exit status to the root."""
+
+    @functools.wraps(run)
+    async def noting(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await run(*args, **kwargs)
+        except Exception as exc:
+            _note_failure(exc)
+            raise
+
+    return noting
+
+
+def _note_failure(error: Exception) -> None:
+    """``error`` into ``LAMPLOOP_FAILURE_FILE``, on a rank that ``fit(world_size=n)`` started (a few
+    hundred bytes, once: written from the event loop's thread)."""
+    path = os.environ.get(FAILURE_FILE_VARIABLE) if "LAMPLOOP_RANK" in os.environ else None
+    if path:
+        with suppress(OSError):
+            Path(path).write_text(f"{type(error).__name__}: {error}"[:_FAILURE_NOTE_CHARS])
+
+
+def _failure_note(path: str) -> str:
+    """What a rank wrote to its failure file (``""`` if nothing); the file is removed."""
+    try:
+        return Path(path).read_text(errors="replace").strip()[:_FAILURE_NOTE_CHARS]
+    except OSError:
+        return ""
+    finally:
+        with suppress(OSError):
+            os.unlink(path)
+
+
 async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _Ending) -> None:
-    with anyio.CancelScope() as process:  # cancelled: anyio kills the process and waits for it
-        ending.children[rank] = process
-        result = await anyio.run_process(argv, env=env, stdout=None, stderr=None, check=False)
+    descriptor, failure_file = tempfile.mkstemp(prefix=f"lamploop-rank{rank}-", suffix=".failure")
+    os.close(descriptor)
+    try:
+        with anyio.CancelScope() as process:  # cancelled: anyio kills the process and waits for it
+            ending.children[rank] = process
+            result = await anyio.run_process(
+                argv, env={**env, FAILURE_FILE_VARIABLE: failure_file}, stdout=None, stderr=None, check=False
+            )
+    finally:
+        said = _failure_note(failure_file)
     if process.cancelled_caught:
         return
     if result.returncode == 0 and ending.lost is not None and ending.joined is not None:
@@ -541,6 +596,8 @@ async def _run_child(argv: list[str], env: dict[str, str], rank: int, ending: _E
         how = f"status {result.returncode}"
         if -result.returncode in signal.valid_signals():
             how += f" ({signal.Signals(-result.returncode).name})"
+        if said:
+            how += f", failing with {said!r}"
         if await ending.ended_by_a_stop(rank, f"exited with {how}"):
             logger.info("rank %d exited with %s before it joined, as this run was asked to stop", rank, how)
             if ending.lost is not None:  # the root runs: it stops now, not at the join timeout

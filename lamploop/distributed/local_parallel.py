@@ -20,6 +20,7 @@ from lamploop.control.commands import ControlFollower
 from lamploop.control.local import local_control
 from lamploop.distributed.drive import OptimizerFactory, drive_distributed_training
 from lamploop.distributed.follow import follow_distributed_training
+from lamploop.distributed.initial_sync import frozen_parameters
 from lamploop.distributed.inputs import check_driver_arguments, check_resume_arguments
 from lamploop.distributed.sharded_checks import check_sharded_strategy
 from lamploop.errors import (
@@ -116,9 +117,21 @@ def _check_same_models(modules: Sequence[torch.nn.Module]) -> None:
     for rank, module in enumerate(modules[1:], start=1):
         actual = model_spec(module)
         detail = describe_mismatch(expected, actual, expected_label="rank 0", actual_label=f"rank {rank}")
+        if detail is None:
+            detail = _frozen_difference(modules[0], module, rank)
         if detail is not None:
             msg = f"local_data_parallel_training_loop: rank {rank}'s model differs from rank 0's: {detail}"
             raise DistributedError(msg)
+
+
+def _frozen_difference(first: torch.nn.Module, other: torch.nn.Module, rank: int) -> str | None:
+    """Where ``other`` (rank ``rank``) trains a parameter that ``first`` freezes, or the reverse."""
+    frozen_first, frozen_other = set(frozen_parameters(first)), set(frozen_parameters(other))
+    for name, _ in first.named_parameters():
+        if (name in frozen_first) != (name in frozen_other):
+            where = f"rank {rank}" if name in frozen_other else "rank 0"
+            return f"parameter {name!r} is frozen (requires_grad=False) on {where} alone"
+    return None
 
 
 async def local_data_parallel_training_loop(
@@ -212,9 +225,13 @@ async def local_data_parallel_training_loop(
                 )
             )
     except BaseException as exc:
-        if first.error is None or exc is first.error:
+        error = first.error
+        own = root.first_follower_failure  # also when that follower's task was cancelled unwinding
+        if own is not None and (error is None or _outranks(own, error)):
+            error = own
+        if error is None or exc is error:
             raise
-        raise first.error from exc  # the group of every rank's error (and cancellations)
+        raise error from exc  # the group of every rank's error (and cancellations)
     if state is None:  # unreachable: without an error the root's task returned a state
         msg = "local_data_parallel_training_loop: the root ended without a state"
         raise RuntimeError(msg)

@@ -44,7 +44,7 @@ from lamploop.checkpoint.extras import CheckpointExtra
 from lamploop.checkpoint.resume import resume_root
 from lamploop.checkpoint.save import check_keep_last
 from lamploop.distributed.drive import OptimizerFactory
-from lamploop.distributed.launch import default_launch_command
+from lamploop.distributed.launch import LaunchEnv, default_launch_command, noting_failure_for_the_root
 from lamploop.distributed.placement import AUTO_DEVICE, place
 from lamploop.distributed.rank_extras import SYNC_EXTRA
 from lamploop.fit.ranks import Heartbeat, Job, default_reporter, follow, lead, resumed_epoch
@@ -80,7 +80,19 @@ __all__ = ["AUTO_DEVICE", "fit", "fit_async"]
 
 logger = logging.getLogger("lamploop")
 
+_SERVED_RUNS: set[str] = set()
+"""The runs (their control addresses) that ``fit`` in this process, a follower that ``fit``
+itself started, has served: the process was started for one run."""
 
+
+def _run_served(env: LaunchEnv | None) -> str | None:
+    """The run a follower that ``fit(world_size=n)`` started was started for; ``None`` for other launchers."""
+    if env is None or env.launcher != "lamploop":
+        return None
+    return f"{env.root_host}:{env.control_port}"
+
+
+@noting_failure_for_the_root
 async def fit_async(
     *,
     model: SupervisedModel,
@@ -125,8 +137,9 @@ async def fit_async(
 
     With ``world_size=n`` and no launcher, this process becomes rank 0 and runs the same
     command line again for ranks ``1..n-1`` (see :mod:`lamploop.distributed.launch`);
-    under ``torchrun`` or Slurm the launcher's variables decide the rank.  Only rank 0
-    checkpoints, reports and returns the state.
+    such a rank serves one run, and a later call in it returns ``None`` at once (the root's
+    next call starts ranks of its own).  Under ``torchrun`` or Slurm the launcher's variables
+    decide the rank.  Only rank 0 checkpoints, reports and returns the state.
 
     Args:
         model: the :class:`SupervisedModel` to train; ends holding the best model when an
@@ -261,7 +274,15 @@ async def fit_async(
         # Follow (a rank the launcher started) or resume (the root), then run.
         if placement.rank > 0:
             follower = True
+            served = _run_served(placement.env)
             try:
+                if served is not None and served in _SERVED_RUNS:
+                    # The script calls fit again (getting-started's resume pattern): the root's
+                    # next call starts followers of its own, from the script's first line.
+                    logger.info("rank %d: this process served its run already; fit returns", placement.rank)
+                    return None
+                if served is not None:
+                    _SERVED_RUNS.add(served)
                 await follow(job)
             finally:
                 close_all(reporters or ())  # the same script's reporters: a follower reports nothing

@@ -86,7 +86,7 @@ def mismatch(hello: Hello, run: Run, joined: Mapping[int, Connection]) -> str | 
 
 
 class HungUpBeforeChallenge(ControlChannelError):
-    """The root's end of a connection closed before it sent its challenge.
+    """The root's end of a connection closed before it sent its challenge (or its welcome).
 
     A root ending its run does that to a connection the kernel had already queued on its
     listener; the next run's root listens on the same port moments later, so a follower tries
@@ -128,8 +128,19 @@ async def greet_root(conn: Connection, run: Run, *, rank: int, protocol_version:
     hello = attrs.evolve(hello, proof=follower_proof(run.token, root_nonce=challenge.nonce, hello=hello))
     await conn.send(hello)
     expected = root_proof(run.token, root_nonce=challenge.nonce, hello=hello)
+    # A root ending its run closes the handshakes in flight: the next run's root comes on the
+    # same port moments later, as for a hang-up before the challenge.
     try:
-        judge_welcome(await conn.receive(), Welcome, expected_proof=lambda _welcome: expected)
+        reply = await conn.receive()
+    except ControlChannelError as exc:
+        msg = f"rank {rank}: {conn.peer}: {exc}, instead of answering the hello (a root ending its run?)"
+        raise HungUpBeforeChallenge(msg) from exc
+    if reply is None:
+        msg = f"rank {rank}: {conn.peer} closed the connection instead of answering the hello"
+        msg += " (a root ending its run?)"
+        raise HungUpBeforeChallenge(msg)
+    try:
+        judge_welcome(reply, Welcome, expected_proof=lambda _welcome: expected)
     except NotWelcomed as exc:
         if exc.case == "refused":
             raise HandshakeError(f"rank {rank} refused by root: {exc.detail}") from None

@@ -304,7 +304,9 @@ def test_a_rank_whose_store_never_answers_fails_after_join_timeout() -> None:
             open_pipeline_group(rank=1, world_size=2, host="127.0.0.1", port=port, timeout=5, join_timeout=2),
         ):
             pass
-        assert time.monotonic() - started < 2 + 1.0
+        # 1.5 s of slack: torch's client overran the 2 s by 1.08 s once on the loaded CI machine
+        # (run 31), as tests/distributed/test_store_connect.py allows it too.
+        assert time.monotonic() - started < 2 + 1.5
 
 
 def summed_squared_error(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:

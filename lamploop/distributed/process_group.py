@@ -13,7 +13,7 @@ import datetime
 import socket
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -45,7 +45,15 @@ _ARRIVED_KEY = "arrived"
 """The store's count of the ranks that reached :func:`new_process_group`."""
 
 _GAVE_UP_KEY = "gave-up"
-"""Set, under the rank's number, by a rank that stopped waiting for the others."""
+"""Set, under the rank's number, by a rank that stopped waiting for the others: to why it did."""
+
+_ABORTED = "aborted: "
+"""How the reason under :data:`_GAVE_UP_KEY` starts when the run failed elsewhere."""
+
+PEER_ABORT_GRACE_S = 5.0
+"""How long a rank that finds a peer gave up because the run failed elsewhere waits for that
+failure to reach it too (its channel tells it within milliseconds), so that it names the failing
+rank as the others do; past it, it raises the peer's giving up instead."""
 
 _GAVE_UP: Final = 1 << 40
 """Taken off the count by a rank that stops waiting: the count never reaches the world size again."""
@@ -210,9 +218,9 @@ def _wait_for_every_rank(
     wait for no one.
 
     Raises:
-        WaitAborted: ``abort`` was set.
+        WaitAborted: ``abort`` was set (also soon after a peer gave up on an abort of its own).
         DistributedError: the timeout passed (naming the ranks that never came), another rank
-            gave up (naming it), or the store stopped answering.
+            gave up (naming it and why), or the store stopped answering.
     """
     try:
         store.set(f"{_ARRIVED_KEY}/{rank}", "1")
@@ -221,12 +229,11 @@ def _wait_for_every_rank(
         pause = 0.001
         while 0 <= arrived < nranks:
             if abort is not None and abort.is_set():
-                if _give_up(store, rank) >= nranks:
+                if _give_up(store, rank, _ABORTED + abort.reason) >= nranks:
                     return
-                msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: "
-                raise WaitAborted(msg + abort.reason)
+                raise _aborted(rank, abort)
             if time.monotonic() >= deadline:
-                if _give_up(store, rank) >= nranks:
+                if _give_up(store, rank, f"timed out after {timeout:g} s") >= nranks:
                     return
                 msg = f"rank {rank} of {nranks}: ranks {_ranks(store, nranks, _ARRIVED_KEY, False)} did not"
                 msg += f" join the process group within {timeout:g} s"
@@ -235,22 +242,41 @@ def _wait_for_every_rank(
             pause = min(pause * 2, POLL_S / 2)
             arrived = int(store.add(_ARRIVED_KEY, 0))
         if arrived < 0:
-            gone = _ranks(store, nranks, _GAVE_UP_KEY, True)
-            msg = f"rank {rank} of {nranks}: ranks {gone} gave up joining the process group"
-            missing = _ranks(store, nranks, _ARRIVED_KEY, False)
-            if missing:
-                msg += f"; ranks {missing} never reached it"
-            raise DistributedError(msg)
+            _raise_gave_up(store, rank=rank, nranks=nranks, abort=abort)
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
         msg = f"rank {rank} of {nranks}: the root's store stopped answering as the ranks joined the"
         msg += f" process group (is the root gone?): {exc}"
         raise DistributedError(msg) from exc
 
 
-def _give_up(store: dist.Store, rank: int) -> int:
-    """Take this rank's arrival back; how many had arrived at that moment."""
-    store.set(f"{_GAVE_UP_KEY}/{rank}", "1")
+def _give_up(store: dist.Store, rank: int, why: str) -> int:
+    """Take this rank's arrival back, saying ``why``; how many had arrived at that moment."""
+    store.set(f"{_GAVE_UP_KEY}/{rank}", why)
     return int(store.add(_ARRIVED_KEY, -_GAVE_UP)) + _GAVE_UP
+
+
+def _raise_gave_up(store: dist.Store, *, rank: int, nranks: int, abort: AbortSignal | None) -> NoReturn:
+    """Another rank gave up waiting: raise why, as this rank's own abort if the run failed elsewhere.
+
+    A peer that gave up because the run failed elsewhere gave up on a failure this rank's
+    channel is about to report too; waiting for it (:data:`PEER_ABORT_GRACE_S`) lets this rank
+    name the failing rank (``PeerLostError`` from its channel) rather than the one that gave up.
+    """
+    gone = _ranks(store, nranks, _GAVE_UP_KEY, True)
+    whys = [bytes(store.get(f"{_GAVE_UP_KEY}/{peer}")).decode(errors="replace") for peer in gone]
+    if abort is not None and any(why.startswith(_ABORTED) for why in whys) and abort.wait(PEER_ABORT_GRACE_S):
+        raise _aborted(rank, abort)
+    msg = f"rank {rank} of {nranks}: ranks {gone} gave up joining the process group"
+    missing = _ranks(store, nranks, _ARRIVED_KEY, False)
+    if missing:
+        msg += f"; ranks {missing} never reached it"
+    msg += "".join(f" (rank {peer}: {why})" for peer, why in zip(gone, whys, strict=True))
+    raise DistributedError(msg)
+
+
+def _aborted(rank: int, abort: AbortSignal) -> WaitAborted:
+    msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: {abort.reason}"
+    return WaitAborted(msg)
 
 
 def _ranks(store: dist.Store, nranks: int, key: str, marked: bool) -> list[int]:

@@ -111,6 +111,10 @@ class AbortSignal:
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    def wait(self, seconds: float) -> bool:
+        """Block up to ``seconds`` for the signal; whether it is set."""
+        return self._event.wait(seconds)
+
 
 class Collectives:
     """The collectives lamploop uses, over one process group of ``nranks`` ranks.

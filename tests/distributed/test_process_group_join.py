@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from lamploop.distributed import process_group
 from lamploop.distributed.process_group import connect_store, create_store, new_process_group
 from lamploop.errors import DistributedError
 from lamploop.sync.collectives import POLL_S, AbortSignal, WaitAborted
@@ -82,7 +83,7 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout() -> None:
         assert str(error) in (
             f"rank {rank} of 3: ranks [2] did not join the process group within 1 s",
             f"rank {rank} of 3: ranks [{1 - rank}] gave up joining the process group; "
-            "ranks [2] never reached it",
+            f"ranks [2] never reached it (rank {1 - rank}: timed out after 1 s)",
         )
 
 
@@ -106,7 +107,6 @@ def test_ranks_that_all_come_get_a_working_group_however_late_one_is() -> None:
     assert not abort.is_set()
 
 
-
 def test_ranks_that_come_after_one_gave_up_do_not_wait_for_it() -> None:
     """Rank 0 arrives, waits out its own timeout and leaves; ranks 1 and 2 come after.  Had its
     arrival stayed counted, they would pass into Gloo's constructor and wait there for rank 0,
@@ -127,6 +127,54 @@ def test_ranks_that_come_after_one_gave_up_do_not_wait_for_it() -> None:
         assert isinstance(error, DistributedError), repr(error)
         # (the other of the two may not have reached the store yet: named as not there)
         assert str(error).startswith(f"rank {rank} of 3: ranks [0] gave up joining the process group")
+
+
+def test_a_rank_finding_a_peer_gave_up_on_an_abort_raises_its_own_abort_when_it_comes() -> None:
+    """CI (the soak phase): rank 2 failed as the ranks set up; the root heard first, gave up,
+    and rank 1, which saw the root's giving up before its own channel told it of rank 2, named
+    the root.  It waits for its own abort instead, which names rank 2 as the root's did."""
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    follower = connect_store("127.0.0.1", port, 3, 30.0)
+    aborts = [AbortSignal(), AbortSignal()]
+    joins = [
+        _in_thread(
+            lambda rank=rank: _join([store, follower][rank], rank, 3, timeout=30.0, abort=aborts[rank])
+        )
+        for rank in (0, 1)
+    ]
+    time.sleep(0.3)
+    aborts[0].set("rank 2 aborted the run: its optimizer factory raised")
+    joins[0][0].join(10)
+    time.sleep(0.5)  # rank 1 has seen rank 0 give up by now, and waits for its own word
+    assert joins[1][0].is_alive(), joins[1][1]
+    aborts[1].set("rank 2 aborted the run: its optimizer factory raised")
+    joins[1][0].join(10)
+    for thread, outcome in joins:
+        assert not thread.is_alive()
+        (error,) = outcome
+        assert isinstance(error, WaitAborted), repr(error)
+        assert str(error).endswith("process group: rank 2 aborted the run: its optimizer factory raised")
+
+
+def test_a_rank_whose_own_abort_never_comes_names_the_peer_that_gave_up_and_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    follower = connect_store("127.0.0.1", port, 3, 30.0)
+    abort = AbortSignal()
+    abort.set("rank 2 aborted the run")
+    with pytest.raises(WaitAborted):
+        _join(store, 0, 3, timeout=30.0, abort=abort)
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as raised:
+        _join(follower, 1, 3, timeout=30.0, abort=AbortSignal())
+    assert 0.4 < time.monotonic() - start < 3.0
+    assert not isinstance(raised.value, WaitAborted)
+    assert str(raised.value) == (
+        "rank 1 of 3: ranks [0] gave up joining the process group; ranks [2] never reached it "
+        "(rank 0: aborted: rank 2 aborted the run)"
+    )
 
 
 def test_a_store_that_goes_away_is_named_as_the_cause() -> None:

@@ -69,10 +69,40 @@ def _outranks(later: BaseException, earlier: BaseException) -> bool:
     return isinstance(earlier, PeerLostError) and not isinstance(later, PeerLostError)
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+def _replica_devices(models: Sequence[SupervisedModel]) -> list[torch.device]:
+    """The device each replica trains on: its parameters' one CPU or CUDA device.
+
+    Raises:
+        ConfigurationError: a replica's parameters are on several devices, or on one the tensor
+            channel cannot carry (``meta``, ``mps``); replicas on CPU and CUDA at once (Gloo
+            and NCCL cannot make one group); two replicas on one CUDA device.
+    """
+    where = "local_data_parallel_training_loop"
+    devices = []
+    for index, model in enumerate(models):
+        found = sorted({str(p.device) for p in model.module.parameters()})
+        if len(found) > 1:
+            msg = f"{where}: replica {index}'s parameters are on several devices ({', '.join(found)})"
+            msg += "; a replica trains on one"
+            raise ConfigurationError(msg)
+        device = torch.device(found[0] if found else "cpu")
+        if device.type not in ("cpu", "cuda"):
+            msg = (
+                f"{where}: replica {index}'s parameters are on device {str(device)!r}; a replica "
+                "trains on cpu or cuda (its gradients cross Gloo or NCCL)"
+            )
+            raise ConfigurationError(msg)
+        devices.append(device)
+    kinds = sorted({d.type for d in devices})
+    if len(kinds) > 1:
+        msg = f"{where}: the replicas are on cpu and cuda at once ({[str(d) for d in devices]})"
+        msg += ": Gloo and NCCL make no group together, put them all on one kind"
+        raise ConfigurationError(msg)
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        msg = f"{where}: NCCL needs one CUDA device per replica, got {devices}"
+        raise ConfigurationError(msg)
+    return devices
 
 
 async def _follow(follower: ControlFollower, **kwargs: Any) -> None:
@@ -161,7 +191,8 @@ async def local_data_parallel_training_loop(
     (:class:`~lamploop.settings.LocalSettingKeywords`), not both.
 
     Raises:
-        ConfigurationError: no replicas, or replicas on one CUDA device; a replica that is
+        ConfigurationError: no replicas, or replicas on one CUDA device, on CPU and CUDA at
+            once, or a replica on another device (``meta``) or several; a replica that is
             not a ``(model, train_batches, validation_batches)`` triple of a SupervisedModel and
             batch factories, or two replicas sharing one module; an unknown keyword,
             or a setting given both as a keyword and in ``settings=``; a ``profile`` (torch
@@ -182,11 +213,7 @@ async def local_data_parallel_training_loop(
         raise ConfigurationError(msg)
     _check_replicas(models_with_data_streams, init_state, checkpoint_state)
     nranks = len(models_with_data_streams)
-    devices = [_device_of(m.module) for m, _, _ in models_with_data_streams]
-    cuda = [d for d in devices if d.type == "cuda"]
-    if len(set(cuda)) != len(cuda):
-        msg = f"local_data_parallel_training_loop: NCCL needs one CUDA device per replica, got {devices}"
-        raise ConfigurationError(msg)
+    devices = _replica_devices([model for model, _, _ in models_with_data_streams])
     check_sharded_strategy("local_data_parallel_training_loop", merged, in_process=True)
     root, followers = local_control(nranks)
     first = _FirstError()

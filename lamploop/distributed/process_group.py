@@ -13,7 +13,7 @@ import datetime
 import socket
 import time
 from collections.abc import Callable
-from typing import Final, NoReturn
+from typing import NoReturn
 
 import anyio
 import anyio.to_thread
@@ -42,21 +42,21 @@ _TRIES_LEFT_SHARE = 3.0
 _SHORTEST_TRY_S = 0.1
 
 _ARRIVED_KEY = "arrived"
-"""The store's count of the ranks that reached :func:`new_process_group`."""
+"""The store's count of the ranks that reached :func:`new_process_group` (each also sets its own key)."""
 
-_GAVE_UP_KEY = "gave-up"
-"""Set, under the rank's number, by a rank that stopped waiting for the others: to why it did."""
+_DECISION_KEY = "decision"
+"""Set once, by whoever comes first: :data:`_ALL_CAME` by the last rank to arrive, or
+``"<rank>:<why>"`` by a rank that stopped waiting before that.  Every rank acts on it."""
+
+_ALL_CAME = "all came"
 
 _ABORTED = "aborted: "
-"""How the reason under :data:`_GAVE_UP_KEY` starts when the run failed elsewhere."""
+"""How a rank's ``why`` starts when it stopped waiting because the run failed elsewhere."""
 
 PEER_ABORT_GRACE_S = 5.0
 """How long a rank that finds a peer gave up because the run failed elsewhere waits for that
 failure to reach it too (its channel tells it within milliseconds), so that it names the failing
 rank as the others do; past it, it raises the peer's giving up instead."""
-
-_GAVE_UP: Final = 1 << 40
-"""Taken off the count by a rank that stops waiting: the count never reaches the world size again."""
 
 
 async def resolve_host(host: str, where: str) -> None:
@@ -206,16 +206,16 @@ def new_process_group(
 def _wait_for_every_rank(
     store: dist.Store, *, rank: int, nranks: int, timeout: float, abort: AbortSignal | None
 ) -> None:
-    """Until every rank has reached the store, looking at ``abort`` between looks at the count.
+    """Until every rank has reached the store, looking at ``abort`` between looks at the store.
 
     Gloo's and NCCL's constructors wait for the other ranks inside torch, out of any signal's
     reach, for the whole collective timeout: a rank that failed as the ranks set up (its
     optimizer factory raised) left its peers' worker threads blocked there for 30 minutes
-    after their runs had ended.  A rank that stops waiting (aborted, timed out) takes its
-    arrival back atomically with the count (:data:`_GAVE_UP`), so that no rank that comes later
-    passes into the constructor to wait for it; one that finds everyone arrived as it gives up
-    goes on into the constructor, as everyone else does.  Once past here, the constructors
-    wait for no one.
+    after their runs had ended.  So the ranks first agree, through the store, whether they
+    all came: the last rank to arrive and a rank that stops waiting (aborted, timed out) each
+    try to set :data:`_DECISION_KEY`, atomically, and the first one wins; every rank then does
+    what it says, also one that wanted to stop but found everyone had come.  No rank passes
+    into a constructor unless every rank does.
 
     Raises:
         WaitAborted: ``abort`` was set (also soon after a peer gave up on an abort of its own).
@@ -224,54 +224,56 @@ def _wait_for_every_rank(
     """
     try:
         store.set(f"{_ARRIVED_KEY}/{rank}", "1")
-        arrived = int(store.add(_ARRIVED_KEY, 1))
+        decision = None
+        if int(store.add(_ARRIVED_KEY, 1)) == nranks:
+            decision = _decide(store, _ALL_CAME)
         deadline = time.monotonic() + timeout
         pause = 0.001
-        while 0 <= arrived < nranks:
-            if abort is not None and abort.is_set():
-                if _give_up(store, rank, _ABORTED + abort.reason) >= nranks:
-                    return
-                raise _aborted(rank, abort)
-            if time.monotonic() >= deadline:
-                if _give_up(store, rank, f"timed out after {timeout:g} s") >= nranks:
-                    return
-                msg = f"rank {rank} of {nranks}: ranks {_ranks(store, nranks, _ARRIVED_KEY, False)} did not"
-                msg += f" join the process group within {timeout:g} s"
-                raise DistributedError(msg)
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_S / 2)
-            arrived = int(store.add(_ARRIVED_KEY, 0))
-        if arrived < 0:
-            _raise_gave_up(store, rank=rank, nranks=nranks, abort=abort)
+        while decision is None:
+            if store.check([_DECISION_KEY]):
+                decision = bytes(store.get(_DECISION_KEY)).decode(errors="replace")
+            elif abort is not None and abort.is_set():
+                decision = _decide(store, f"{rank}:{_ABORTED}{abort.reason}")
+            elif time.monotonic() >= deadline:
+                decision = _decide(store, f"{rank}:timed out after {timeout:g} s")
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, POLL_S / 2)
+        if decision != _ALL_CAME:
+            _raise_gave_up(store, decision, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
         msg = f"rank {rank} of {nranks}: the root's store stopped answering as the ranks joined the"
         msg += f" process group (is the root gone?): {exc}"
         raise DistributedError(msg) from exc
 
 
-def _give_up(store: dist.Store, rank: int, why: str) -> int:
-    """Take this rank's arrival back, saying ``why``; how many had arrived at that moment."""
-    store.set(f"{_GAVE_UP_KEY}/{rank}", why)
-    return int(store.add(_ARRIVED_KEY, -_GAVE_UP)) + _GAVE_UP
+def _decide(store: dist.Store, decision: str) -> str:
+    """Set the ranks' decision to ``decision`` unless one was set first: the decision that holds."""
+    return bytes(store.compare_set(_DECISION_KEY, "", decision)).decode(errors="replace")
 
 
-def _raise_gave_up(store: dist.Store, *, rank: int, nranks: int, abort: AbortSignal | None) -> NoReturn:
-    """Another rank gave up waiting: raise why, as this rank's own abort if the run failed elsewhere.
+def _raise_gave_up(
+    store: dist.Store, decision: str, *, rank: int, nranks: int, timeout: float, abort: AbortSignal | None
+) -> NoReturn:
+    """Rank ``decision``'s rank gave up waiting: raise why, as this rank's own abort where it can.
 
     A peer that gave up because the run failed elsewhere gave up on a failure this rank's
     channel is about to report too; waiting for it (:data:`PEER_ABORT_GRACE_S`) lets this rank
     name the failing rank (``PeerLostError`` from its channel) rather than the one that gave up.
     """
-    gone = _ranks(store, nranks, _GAVE_UP_KEY, True)
-    whys = [bytes(store.get(f"{_GAVE_UP_KEY}/{peer}")).decode(errors="replace") for peer in gone]
-    if abort is not None and any(why.startswith(_ABORTED) for why in whys) and abort.wait(PEER_ABORT_GRACE_S):
-        raise _aborted(rank, abort)
-    msg = f"rank {rank} of {nranks}: ranks {gone} gave up joining the process group"
+    who, _, why = decision.partition(":")
     missing = _ranks(store, nranks, _ARRIVED_KEY, False)
+    if who == str(rank):
+        if abort is not None and why.startswith(_ABORTED):
+            raise _aborted(rank, abort)
+        msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group within {timeout:g} s"
+        raise DistributedError(msg)
+    if abort is not None and why.startswith(_ABORTED) and abort.wait(PEER_ABORT_GRACE_S):
+        raise _aborted(rank, abort)
+    msg = f"rank {rank} of {nranks}: ranks [{who}] gave up joining the process group"
     if missing:
         msg += f"; ranks {missing} never reached it"
-    msg += "".join(f" (rank {peer}: {why})" for peer, why in zip(gone, whys, strict=True))
-    raise DistributedError(msg)
+    raise DistributedError(f"{msg} (rank {who}: {why})")
 
 
 def _aborted(rank: int, abort: AbortSignal) -> WaitAborted:

@@ -177,6 +177,42 @@ def test_a_rank_whose_own_abort_never_comes_names_the_peer_that_gave_up_and_why(
     )
 
 
+def test_an_abort_as_the_last_rank_arrives_sends_every_rank_the_same_way() -> None:
+    """Rank 0's abort comes just as rank 2, the last, arrives.  Either all three build the
+    group (the abort came after all of them were there) or none does: with the count alone,
+    rank 0 could find everyone there and go on into Gloo's constructor while rank 1, looking
+    after rank 0 gave up, raised, leaving ranks 0 and 2 waiting in the constructor for it."""
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04):
+        store, port = create_store("127.0.0.1", 3, 30.0)
+        clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]
+        aborts = [AbortSignal() for _ in range(3)]
+
+        def join_and_sum(
+            rank: int, clients: list[Any] = clients, aborts: list[AbortSignal] = aborts
+        ) -> float:
+            group = _join(clients[rank], rank, 3, timeout=5.0, abort=aborts[rank])
+            tensor = torch.tensor([float(rank + 1)])
+            group.allreduce([tensor]).wait()
+            return float(tensor.item())
+
+        early = [_in_thread(lambda rank=rank: join_and_sum(rank)) for rank in (0, 1)]
+        time.sleep(0.2)
+        last = _in_thread(lambda: join_and_sum(2))
+        time.sleep(delay)
+        aborts[0].set("rank 0's stream failed")
+        aborts[1].set("rank 0's stream failed")  # as its channel would tell it
+        joins = [*early, last]
+        for thread, _ in joins:
+            thread.join(20)
+        assert not any(thread.is_alive() for thread, _ in joins)
+        results = [outcome[0] for _, outcome in joins]
+        built = [result == 6.0 for result in results]
+        assert all(built) or not any(built), (delay, results)
+        if not any(built):
+            assert all(isinstance(result, WaitAborted) for result in results[:2]), (delay, results)
+            assert isinstance(results[2], DistributedError), (delay, results)
+
+
 def test_a_store_that_goes_away_is_named_as_the_cause() -> None:
     """The root's store closes (its process died) while a follower waits for the others."""
     store, port = create_store("127.0.0.1", 2, 30.0)

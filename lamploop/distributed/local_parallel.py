@@ -95,7 +95,7 @@ def _replica_devices(models: Sequence[SupervisedModel]) -> list[torch.device]:
         devices.append(device)
     kinds = sorted({d.type for d in devices})
     if len(kinds) > 1:
-        msg = f"{where}: the replicas are on cpu and cuda at once ({[str(d) for d in devices]})"
+        msg = f"{where}: the replicas are on cpu and cuda at once ({', '.join(map(str, devices))})"
         msg += ": Gloo and NCCL make no group together, put them all on one kind"
         raise ConfigurationError(msg)
     cuda = [d for d in devices if d.type == "cuda"]

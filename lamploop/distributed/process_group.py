@@ -270,10 +270,11 @@ def _raise_gave_up(
         raise DistributedError(msg)
     if abort is not None and why.startswith(_ABORTED) and abort.wait(PEER_ABORT_GRACE_S):
         raise _aborted(rank, abort)
-    msg = f"rank {rank} of {nranks}: ranks [{who}] gave up joining the process group"
+    what = f"was {why}" if why.startswith(_ABORTED) else why
+    msg = f"rank {rank} of {nranks}: ranks [{who}] gave up joining the process group (rank {who} {what})"
     if missing:
         msg += f"; ranks {missing} never reached it"
-    raise DistributedError(f"{msg} (rank {who}: {why})")
+    raise DistributedError(msg)
 
 
 def _aborted(rank: int, abort: AbortSignal) -> WaitAborted:

@@ -95,6 +95,7 @@ class AbortSignal:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._setting = threading.Lock()  # two threads setting it at once: the first reason stays
         self.reason = ""
         self.give_up_after: float | None = None
 
@@ -104,9 +105,10 @@ class AbortSignal:
 
     def set(self, reason: str) -> None:
         """Abort every wait that looks at this signal (the first reason is kept)."""
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
+        with self._setting:
+            if not self._event.is_set():
+                self.reason = reason
+                self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()

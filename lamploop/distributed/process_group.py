@@ -266,7 +266,14 @@ def _raise_gave_up(
     if who == str(rank):
         if abort is not None and why.startswith(_ABORTED):
             raise _aborted(rank, abort)
-        msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group within {timeout:g} s"
+        if missing:
+            msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group"
+            msg += f" within {timeout:g} s"
+        else:  # the last to arrive stopped (died, froze) before it could say so
+            msg = (
+                f"rank {rank} of {nranks}: every rank reached the store, but the last of them did not confirm"
+            )
+            msg += f" that they all came within {timeout:g} s (it stopped answering)"
         raise DistributedError(msg)
     if abort is not None and why.startswith(_ABORTED) and abort.wait(PEER_ABORT_GRACE_S):
         raise _aborted(rank, abort)

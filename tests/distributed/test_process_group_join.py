@@ -151,7 +151,8 @@ def test_a_rank_finding_a_peer_gave_up_on_an_abort_raises_its_own_abort_when_it_
     the root.  It waits for its own abort instead, which names rank 2 as the root's did."""
     store, port = create_store("127.0.0.1", 3, 30.0)
     follower = connect_store("127.0.0.1", port, 3, 30.0)
-    aborts = [AbortSignal(), _WatchedAbort()]
+    watched = _WatchedAbort()
+    aborts = [AbortSignal(), watched]
     joins = [
         _in_thread(
             lambda rank=rank: _join([store, follower][rank], rank, 3, timeout=30.0, abort=aborts[rank])
@@ -161,7 +162,7 @@ def test_a_rank_finding_a_peer_gave_up_on_an_abort_raises_its_own_abort_when_it_
     time.sleep(0.3)
     aborts[0].set("rank 2 aborted the run: its optimizer factory raised")
     joins[0][0].join(10)
-    assert aborts[1].waiting.wait(10), "rank 1 did not wait for its own abort after rank 0 gave up"
+    assert watched.waiting.wait(10), "rank 1 did not wait for its own abort after rank 0 gave up"
     assert joins[1][0].is_alive(), joins[1][1]
     aborts[1].set("rank 2 aborted the run: its optimizer factory raised")
     joins[1][0].join(10)
@@ -193,11 +194,96 @@ def test_a_rank_whose_own_abort_never_comes_names_the_peer_that_gave_up_and_why(
     )
 
 
-def test_an_abort_as_the_last_rank_arrives_sends_every_rank_the_same_way() -> None:
+class _PausedAfterArriving:
+    """A rank's store that holds the rank between its arrival and what it does next."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.arrived = threading.Event()
+        self.go_on = threading.Event()
+
+    def add(self, key: str, amount: int) -> int:
+        count = int(self._store.add(key, amount))
+        self.arrived.set()
+        assert self.go_on.wait(10)
+        return count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_rank_giving_up_between_the_last_arrival_and_its_word_stops_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last rank has arrived (the count says all came) but not yet said so when rank 0's
+    abort comes: rank 0's giving up holds, and the last rank raises too instead of building
+    a group that rank 0 will never join."""
+    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]
+    aborts = [_WatchedAbort() for _ in range(3)]
+
+    def wait(rank: int, client: Any) -> str:
+        process_group._wait_for_every_rank(client, rank=rank, nranks=3, timeout=30.0, abort=aborts[rank])
+        return "built"
+
+    early = [_in_thread(lambda rank=rank: wait(rank, clients[rank])) for rank in (0, 1)]
+    time.sleep(0.2)
+    last_store = _PausedAfterArriving(clients[2])
+    last = _in_thread(lambda: wait(2, last_store))
+    assert last_store.arrived.wait(10)
+    aborts[0].set("rank 0's stream failed")
+    early[0][0].join(10)  # rank 0 gave up
+    last_store.go_on.set()
+    joins = [*early, last]
+    for thread, _ in joins:
+        thread.join(10)
+    results = [outcome[0] for _, outcome in joins]
+    assert isinstance(results[0], WaitAborted), results
+    for result in results[1:]:
+        assert isinstance(result, DistributedError), results
+        assert not isinstance(result, WaitAborted), results
+        assert (
+            "ranks [0] gave up joining the process group (rank 0 was aborted: rank 0's stream failed)"
+            in str(result)
+        )
+
+
+def test_a_last_rank_that_stops_before_its_word_is_named_as_such() -> None:
+    """Every rank reached the store, but the last one froze before saying all came: the
+    others time out saying so, not that ranks ``[]`` never came."""
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    follower: Any = _PausedAfterArriving(connect_store("127.0.0.1", port, 2, 30.0))
+    waiting = _in_thread(
+        lambda: process_group._wait_for_every_rank(store, rank=0, nranks=2, timeout=0.5, abort=None)
+    )
+    time.sleep(0.1)
+    frozen = _in_thread(
+        lambda: process_group._wait_for_every_rank(follower, rank=1, nranks=2, timeout=30.0, abort=None)
+    )
+    waiting[0].join(10)
+    follower.go_on.set()
+    frozen[0].join(10)
+    (error,) = waiting[1]
+    assert isinstance(error, DistributedError), repr(error)
+    assert str(error) == (
+        "rank 0 of 2: every rank reached the store, but the last of them did not confirm that they "
+        "all came within 0.5 s (it stopped answering)"
+    )
+    (late,) = frozen[1]
+    assert (
+        str(late) == "rank 1 of 2: ranks [0] gave up joining the process group (rank 0 timed out after 0.5 s)"
+    )
+
+
+def test_an_abort_as_the_last_rank_arrives_sends_every_rank_the_same_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rank 0's abort comes just as rank 2, the last, arrives.  Either all three build the
     group (the abort came after all of them were there) or none does: with the count alone,
     rank 0 could find everyone there and go on into Gloo's constructor while rank 1, looking
     after rank 0 gave up, raised, leaving ranks 0 and 2 waiting in the constructor for it."""
+    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)  # rank 2 has no abort of its own
     for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04):
         store, port = create_store("127.0.0.1", 3, 30.0)
         clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]

@@ -20,7 +20,7 @@ import torch
 from lamploop.distributed import process_group
 from lamploop.distributed.process_group import connect_store, create_store, new_process_group
 from lamploop.errors import DistributedError
-from lamploop.sync.collectives import POLL_S, AbortSignal, WaitAborted
+from lamploop.sync.collectives import AbortSignal, WaitAborted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def test_a_rank_waiting_for_one_that_never_comes_ends_when_the_abort_is_set() ->
     thread.join(10)
     took = time.monotonic() - set_at
     assert not thread.is_alive(), "the join did not end after the abort"
-    assert took < 2 * POLL_S + 0.5, took
+    assert took < 2.0, took  # within a few looks at the store (the join's timeout is 30 s)
     (error,) = outcome
     assert isinstance(error, WaitAborted), repr(error)
     assert "rank 0: gave up waiting for the other ranks to join the process group" in str(error)
@@ -124,7 +124,7 @@ def test_ranks_that_come_after_one_gave_up_do_not_wait_for_it() -> None:
     for thread, _ in joins:
         thread.join(20)
     took = time.monotonic() - start
-    assert took < 2.0, took
+    assert took < 5.0, took  # at once, not after their 30 s timeout
     for rank, (thread, outcome) in zip((1, 2), joins, strict=True):
         assert not thread.is_alive()
         (error,) = outcome

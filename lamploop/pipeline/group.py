@@ -12,7 +12,9 @@ a stage that hangs (frozen, cut off) makes them fail after ``timeout`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -33,6 +35,9 @@ join) before it fails.  There is no heartbeat here: a hung stage is found only b
 step slower than it is taken for a failure."""
 
 _PREFIX = "lamploop-pipeline/"
+_SET_UP = "set-up"
+_FAILED = "set-up-failed"
+_REASON_CHARS = 1_000
 
 
 @attrs.frozen
@@ -61,7 +66,8 @@ def open_pipeline_group(
     """Join the pipeline's Gloo process group (this process's default group) for the ``with`` block.
 
     Rank 0 opens a ``torch.distributed.TCPStore`` on ``host:port`` for the rendezvous; the
-    others connect to it.  Leaving the block destroys the group.  Gloo's connections close
+    others connect to it.  The block starts once every rank has set up its group.  Leaving
+    the block destroys the group.  Gloo's connections close
     only when the process ends (neither destroying nor aborting the group closes them), so
     a rank whose training failed should let its process end: its neighbours then fail at
     once instead of at the timeout.
@@ -78,7 +84,7 @@ def open_pipeline_group(
     Raises:
         ConfigurationError: bad arguments, or this process already has a default group.
         DistributedError: the store could not be opened or reached, or the other ranks did
-            not join within ``join_timeout``.
+            not join (or set up their group) within ``join_timeout``, or one's set-up failed.
     """
     check_int("open_pipeline_group: world_size", world_size, 1)
     check_int("open_pipeline_group: rank", rank, 0)
@@ -123,15 +129,56 @@ def open_pipeline_group(
             timeout=datetime.timedelta(seconds=seconds),
         )
     except (RuntimeError, OSError) as exc:
+        with contextlib.suppress(RuntimeError, OSError):  # the others stop waiting for this rank
+            scoped.set(f"{_FAILED}/{rank}", str(exc)[:_REASON_CHARS])
         msg = (
             f"pipeline rank {rank} of {world_size}: the other ranks did not join within "
             f"{join_seconds:g} s: {exc}"
         )
         raise DistributedError(msg) from exc
     try:
+        _wait_until_every_rank_is_set_up(scoped, rank, world_size, join_seconds)
         yield PipelineGroup(rank=rank, world_size=world_size)
     finally:
         dist.destroy_process_group()
+
+
+def _wait_until_every_rank_is_set_up(store: dist.Store, rank: int, world_size: int, seconds: float) -> None:
+    """Until every rank's Gloo set-up is done (or one failed), within ``seconds``.
+
+    Gloo's set-up ends on each rank when its own connections are made, not on all at once:
+    a rank that went on and failed at once (a model refused, as every rank refuses it) and
+    whose process then ended closed its connections under a neighbour still setting up,
+    which failed with Gloo's "remote worker crashing" instead of refusing the model too.
+
+    Raises:
+        DistributedError: a rank's set-up failed (naming it), or not all were done in time.
+    """
+    store.set(f"{_SET_UP}/{rank}", "1")
+    everyone = [f"{_SET_UP}/{other}" for other in range(world_size)]
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    try:
+        while not store.check(everyone):
+            failed = [other for other in range(world_size) if store.check([f"{_FAILED}/{other}"])]
+            if failed:
+                why = bytes(store.get(f"{_FAILED}/{failed[0]}")).decode(errors="replace")
+                msg = f"pipeline rank {rank} of {world_size}: rank {failed[0]} could not set up its group"
+                msg += f": {why}"
+                raise DistributedError(msg)
+            if time.monotonic() >= deadline:
+                missing = [other for other in range(world_size) if not store.check([everyone[other]])]
+                msg = (
+                    f"pipeline rank {rank} of {world_size}: ranks {missing} did not set up their group within"
+                )
+                msg += f" {seconds:g} s"
+                raise DistributedError(msg)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.025)
+    except (RuntimeError, OSError) as exc:  # torch's store errors: rank 0's process is gone
+        msg = f"pipeline rank {rank} of {world_size}: rank 0's store stopped answering as the ranks set up"
+        msg += f": {exc}"
+        raise DistributedError(msg) from exc
 
 
 def current_group(where: str) -> PipelineGroup:

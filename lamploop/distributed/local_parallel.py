@@ -253,9 +253,11 @@ async def local_data_parallel_training_loop(
             )
     except BaseException as exc:
         error = first.error
-        own = root.first_follower_failure  # also when that follower's task was cancelled unwinding
-        if own is not None and (error is None or _outranks(own, error)):
-            error = own
+        # A rank's own error, also when its task was cancelled unwinding it (a peer told of it
+        # ended first): the first follower's, then the root's.
+        for own in (root.first_follower_failure, root.root_failure):
+            if own is not None and (error is None or _outranks(own, error)):
+                error = own
         if error is None or exc is error:
             raise
         raise error from exc  # the group of every rank's error (and cancellations)

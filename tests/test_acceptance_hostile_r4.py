@@ -1064,7 +1064,7 @@ print("RETURNED", flush=True)
 
 
 @pytest.mark.soak
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_launched_rank_that_exits_at_once_is_reported_promptly(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-c", _EXITS_AT_ONCE],
@@ -1076,7 +1076,9 @@ def test_a_launched_rank_that_exits_at_once_is_reported_promptly(tmp_path: Path)
     )
     started = time.monotonic()
     try:
-        output, _ = process.communicate(timeout=20)
+        # Under 1.5 s of fit here; the rest is two interpreters importing torch, which a loaded
+        # machine slowed past 20 s (a local soak run).  What fails is waiting out the 60 s join.
+        output, _ = process.communicate(timeout=40)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate(timeout=10)

@@ -9,6 +9,7 @@ wait after the set-up alone, over a real ``TCPStore``, ranks as threads.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -72,3 +73,19 @@ def test_ranks_that_never_finish_setting_up_are_named_after_the_timeout() -> Non
     (error,) = waiting[1]
     assert isinstance(error, DistributedError), repr(error)
     assert str(error) == "pipeline rank 0 of 3: ranks [1, 2] did not set up their group within 0.5 s"
+
+
+def test_a_store_that_goes_away_is_named_as_the_cause() -> None:
+    """Rank 0's process (and its store) ends while rank 1 waits for the others' set-up."""
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    waiting = _waiting(connect_store("127.0.0.1", port, 2, 5.0), 1, 2, 30.0)
+    time.sleep(0.3)
+    del store  # the last reference: the server stops
+    gc.collect()
+    waiting[0].join(20)
+    assert not waiting[0].is_alive(), "still waiting on a store that is gone"
+    (error,) = waiting[1]
+    assert isinstance(error, DistributedError), repr(error)
+    assert str(error).startswith(
+        "pipeline rank 1 of 2: rank 0's store stopped answering as the ranks set up: "
+    ), str(error)

@@ -13,7 +13,6 @@ import datetime
 import socket
 import time
 from collections.abc import Callable
-from typing import NoReturn
 
 import anyio
 import anyio.to_thread
@@ -21,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lamploop.distributed.network import gloo_interface, local_address_towards
+from lamploop.distributed.store_barrier import BarrierWords, wait_for_every_rank
 from lamploop.errors import ConfigurationError, DistributedError
-from lamploop.sync.collectives import POLL_S, AbortSignal, Group, WaitAborted
+from lamploop.sync.collectives import AbortSignal, Group
 
 __all__ = [
     "RESOLVE_TIMEOUT_S",
@@ -40,23 +40,6 @@ _TRIES_LEFT_SHARE = 3.0
 """A try of torch's store client gets the time left divided by this (it overruns by up to 2.5 times)."""
 
 _SHORTEST_TRY_S = 0.1
-
-_ARRIVED_KEY = "arrived"
-"""The store's count of the ranks that reached :func:`new_process_group` (each also sets its own key)."""
-
-_DECISION_KEY = "decision"
-"""Set once, by whoever comes first: :data:`_ALL_CAME` by the last rank to arrive, or
-``"<rank>:<why>"`` by a rank that stopped waiting before that.  Every rank acts on it."""
-
-_ALL_CAME = "all came"
-
-_ABORTED = "aborted: "
-"""How a rank's ``why`` starts when it stopped waiting because the run failed elsewhere."""
-
-PEER_ABORT_GRACE_S = 5.0
-"""How long a rank that finds a peer gave up because the run failed elsewhere waits for that
-failure to reach it too (its channel tells it within milliseconds), so that it names the failing
-rank as the others do; past it, it raises the peer's giving up instead."""
 
 
 async def resolve_host(host: str, where: str) -> None:
@@ -196,99 +179,31 @@ def new_process_group(
         else:
             msg = f"device type {device.type!r} is not supported by the tensor channel (cpu or cuda)"
             raise ConfigurationError(msg)
-        _wait_for_every_rank(scoped, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
+        # Gloo's and NCCL's constructors wait for the other ranks inside torch, out of any
+        # signal's reach, for the whole collective timeout: a rank that failed as the ranks set up
+        # (its optimizer factory raised) left its peers' worker threads blocked there for 30
+        # minutes after their runs had ended.  So no rank passes into a constructor unless every
+        # rank does, and the wait before it looks at `abort`.
+        wait_for_every_rank(
+            dist.PrefixStore("joined/", scoped),
+            rank=rank,
+            nranks=nranks,
+            timeout=timeout,
+            words=_joining_words(rank, nranks),
+            abort=abort,
+        )
         return construct(scoped)
     except RuntimeError as exc:
         msg = f"rank {rank} of {nranks} could not join the process group: {exc}"
         raise DistributedError(msg) from exc
 
 
-def _wait_for_every_rank(
-    store: dist.Store, *, rank: int, nranks: int, timeout: float, abort: AbortSignal | None
-) -> None:
-    """Until every rank has reached the store, looking at ``abort`` between looks at the store.
-
-    Gloo's and NCCL's constructors wait for the other ranks inside torch, out of any signal's
-    reach, for the whole collective timeout: a rank that failed as the ranks set up (its
-    optimizer factory raised) left its peers' worker threads blocked there for 30 minutes
-    after their runs had ended.  So the ranks first agree, through the store, whether they
-    all came: the last rank to arrive and a rank that stops waiting (aborted, timed out) each
-    try to set :data:`_DECISION_KEY`, atomically, and the first one wins; every rank then does
-    what it says, also one that wanted to stop but found everyone had come.  No rank passes
-    into a constructor unless every rank does.
-
-    Raises:
-        WaitAborted: ``abort`` was set (also soon after a peer gave up on an abort of its own).
-        DistributedError: the timeout passed (naming the ranks that never came), another rank
-            gave up (naming it and why), or the store stopped answering.
-    """
-    try:
-        store.set(f"{_ARRIVED_KEY}/{rank}", "1")
-        decision = None
-        if int(store.add(_ARRIVED_KEY, 1)) == nranks:
-            decision = _decide(store, _ALL_CAME)
-        deadline = time.monotonic() + timeout
-        pause = 0.001
-        while decision is None:
-            if store.check([_DECISION_KEY]):
-                decision = bytes(store.get(_DECISION_KEY)).decode(errors="replace")
-            elif abort is not None and abort.is_set():
-                decision = _decide(store, f"{rank}:{_ABORTED}{abort.reason}")
-            elif time.monotonic() >= deadline:
-                decision = _decide(store, f"{rank}:timed out after {timeout:g} s")
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, POLL_S / 2)
-        if decision != _ALL_CAME:
-            _raise_gave_up(store, decision, rank=rank, nranks=nranks, timeout=timeout, abort=abort)
-    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
-        msg = f"rank {rank} of {nranks}: the root's store stopped answering as the ranks joined the"
-        msg += f" process group (is the root gone?): {exc}"
-        raise DistributedError(msg) from exc
-
-
-def _decide(store: dist.Store, decision: str) -> str:
-    """Set the ranks' decision to ``decision`` unless one was set first: the decision that holds."""
-    return bytes(store.compare_set(_DECISION_KEY, "", decision)).decode(errors="replace")
-
-
-def _raise_gave_up(
-    store: dist.Store, decision: str, *, rank: int, nranks: int, timeout: float, abort: AbortSignal | None
-) -> NoReturn:
-    """Rank ``decision``'s rank gave up waiting: raise why, as this rank's own abort where it can.
-
-    A peer that gave up because the run failed elsewhere gave up on a failure this rank's
-    channel is about to report too; waiting for it (:data:`PEER_ABORT_GRACE_S`) lets this rank
-    name the failing rank (``PeerLostError`` from its channel) rather than the one that gave up.
-    """
-    who, _, why = decision.partition(":")
-    missing = _ranks(store, nranks, _ARRIVED_KEY, False)
-    if who == str(rank):
-        if abort is not None and why.startswith(_ABORTED):
-            raise _aborted(rank, abort)
-        if missing:
-            msg = f"rank {rank} of {nranks}: ranks {missing} did not join the process group"
-            msg += f" within {timeout:g} s"
-        else:  # the last to arrive stopped (died, froze) before it could say so
-            msg = (
-                f"rank {rank} of {nranks}: every rank reached the store, but the last of them did not confirm"
-            )
-            msg += f" that they all came within {timeout:g} s (it stopped answering)"
-        raise DistributedError(msg)
-    if abort is not None and why.startswith(_ABORTED) and abort.wait(PEER_ABORT_GRACE_S):
-        raise _aborted(rank, abort)
-    what = f"was {why}" if why.startswith(_ABORTED) else why
-    msg = f"rank {rank} of {nranks}: ranks [{who}] gave up joining the process group (rank {who} {what})"
-    if missing:
-        msg += f"; ranks {missing} never reached it"
-    raise DistributedError(msg)
-
-
-def _aborted(rank: int, abort: AbortSignal) -> WaitAborted:
-    msg = f"rank {rank}: gave up waiting for the other ranks to join the process group: {abort.reason}"
-    return WaitAborted(msg)
-
-
-def _ranks(store: dist.Store, nranks: int, key: str, marked: bool) -> list[int]:
-    """The ranks whose mark under ``key`` is there (``marked``) or not."""
-    return [rank for rank in range(nranks) if store.check([f"{key}/{rank}"]) == marked]
+def _joining_words(rank: int, nranks: int) -> BarrierWords:
+    """What the errors of the wait before the group's constructor say."""
+    return BarrierWords(
+        me=f"rank {rank} of {nranks}",
+        goal="join the process group",
+        doing="joining the process group",
+        store="the root's store",
+        store_gone="is the root gone?",
+    )

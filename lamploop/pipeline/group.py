@@ -12,9 +12,7 @@ a stage that hangs (frozen, cut off) makes them fail after ``timeout`` seconds.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 from lamploop.checks import check_host, check_int, check_seconds
 from lamploop.distributed.process_group import client_of_store
+from lamploop.distributed.store_barrier import BarrierWords, give_up, wait_for_every_rank
 from lamploop.errors import ConfigurationError, DistributedError
 from lamploop.transport.settings import check_int_in
 
@@ -35,9 +34,8 @@ join) before it fails.  There is no heartbeat here: a hung stage is found only b
 step slower than it is taken for a failure."""
 
 _PREFIX = "lamploop-pipeline/"
-_SET_UP = "set-up"
-_FAILED = "set-up-failed"
-_REASON_CHARS = 1_000
+_JOINED = "joined/"
+_SET_UP = "set-up/"
 
 
 @attrs.frozen
@@ -117,10 +115,16 @@ def open_pipeline_group(
         msg = f"pipeline rank {rank}: cannot {what} {host}:{port}: {exc}"
         raise DistributedError(msg) from exc
     scoped = dist.PrefixStore(_PREFIX, store)
+    # Everyone here first, within join_timeout: Gloo's own set-up waits only `timeout`.
+    wait_for_every_rank(
+        dist.PrefixStore(_JOINED, scoped),
+        rank=rank,
+        nranks=world_size,
+        timeout=join_seconds,
+        words=_words(rank, world_size, "join the pipeline", "joining the pipeline"),
+    )
+    set_up = dist.PrefixStore(_SET_UP, scoped)
     try:
-        # Everyone here first, within join_timeout: Gloo's own set-up waits only `timeout`.
-        scoped.set(f"joined/{rank}", "1")
-        scoped.wait([f"joined/{r}" for r in range(world_size)], joining)
         dist.init_process_group(
             "gloo",
             store=scoped,
@@ -129,56 +133,30 @@ def open_pipeline_group(
             timeout=datetime.timedelta(seconds=seconds),
         )
     except (RuntimeError, OSError) as exc:
-        with contextlib.suppress(RuntimeError, OSError):  # the others stop waiting for this rank
-            scoped.set(f"{_FAILED}/{rank}", str(exc)[:_REASON_CHARS])
-        msg = (
-            f"pipeline rank {rank} of {world_size}: the other ranks did not join within "
-            f"{join_seconds:g} s: {exc}"
-        )
+        give_up(set_up, rank=rank, why=str(exc))  # the others stop waiting for this rank
+        msg = f"pipeline rank {rank} of {world_size}: could not set up its process group: {exc}"
         raise DistributedError(msg) from exc
     try:
-        _wait_until_every_rank_is_set_up(scoped, rank, world_size, join_seconds)
+        # Gloo's set-up ends on each rank when its own connections are made, not on all at once:
+        # a rank that went on and failed at once (a model refused, as every rank refuses it) and
+        # whose process then ended closed its connections under a neighbour still setting up,
+        # which failed with Gloo's "remote worker crashing" instead of refusing the model too.
+        words = _words(rank, world_size, "set up their group", "setting up the group")
+        wait_for_every_rank(set_up, rank=rank, nranks=world_size, timeout=join_seconds, words=words)
         yield PipelineGroup(rank=rank, world_size=world_size)
     finally:
         dist.destroy_process_group()
 
 
-def _wait_until_every_rank_is_set_up(store: dist.Store, rank: int, world_size: int, seconds: float) -> None:
-    """Until every rank's Gloo set-up is done (or one failed), within ``seconds``.
-
-    Gloo's set-up ends on each rank when its own connections are made, not on all at once:
-    a rank that went on and failed at once (a model refused, as every rank refuses it) and
-    whose process then ended closed its connections under a neighbour still setting up,
-    which failed with Gloo's "remote worker crashing" instead of refusing the model too.
-
-    Raises:
-        DistributedError: a rank's set-up failed (naming it), or not all were done in time.
-    """
-    store.set(f"{_SET_UP}/{rank}", "1")
-    everyone = [f"{_SET_UP}/{other}" for other in range(world_size)]
-    deadline = time.monotonic() + seconds
-    pause = 0.001
-    try:
-        while not store.check(everyone):
-            failed = [other for other in range(world_size) if store.check([f"{_FAILED}/{other}"])]
-            if failed:
-                why = bytes(store.get(f"{_FAILED}/{failed[0]}")).decode(errors="replace")
-                msg = f"pipeline rank {rank} of {world_size}: rank {failed[0]} could not set up its group"
-                msg += f": {why}"
-                raise DistributedError(msg)
-            if time.monotonic() >= deadline:
-                missing = [other for other in range(world_size) if not store.check([everyone[other]])]
-                msg = (
-                    f"pipeline rank {rank} of {world_size}: ranks {missing} did not set up their group within"
-                )
-                msg += f" {seconds:g} s"
-                raise DistributedError(msg)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.025)
-    except (RuntimeError, OSError) as exc:  # torch's store errors: rank 0's process is gone
-        msg = f"pipeline rank {rank} of {world_size}: rank 0's store stopped answering as the ranks set up"
-        msg += f": {exc}"
-        raise DistributedError(msg) from exc
+def _words(rank: int, world_size: int, goal: str, doing: str) -> BarrierWords:
+    """What the errors of the pipeline's waits for its ranks say."""
+    return BarrierWords(
+        me=f"pipeline rank {rank} of {world_size}",
+        goal=goal,
+        doing=doing,
+        store="rank 0's store",
+        store_gone="is rank 0 gone?",
+    )
 
 
 def current_group(where: str) -> PipelineGroup:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lamploop.distributed import process_group
+from lamploop.distributed import process_group, store_barrier
 from lamploop.distributed.process_group import connect_store, create_store, new_process_group
 from lamploop.errors import DistributedError
 from lamploop.sync.collectives import AbortSignal, WaitAborted
@@ -30,6 +30,14 @@ CPU = torch.device("cpu")
 def _join(store: Any, rank: int, nranks: int, *, timeout: float, abort: AbortSignal | None = None) -> Any:
     return new_process_group(
         store, rank=rank, nranks=nranks, device=CPU, timeout=timeout, prefix="test", abort=abort
+    )
+
+
+def _barrier(store: Any, rank: int, nranks: int, *, timeout: float, abort: AbortSignal | None = None) -> None:
+    """The wait before the group's constructor alone (its store may be a test's wrapper)."""
+    words = process_group._joining_words(rank, nranks)
+    store_barrier.wait_for_every_rank(
+        store, rank=rank, nranks=nranks, timeout=timeout, words=words, abort=abort
     )
 
 
@@ -176,7 +184,7 @@ def test_a_rank_finding_a_peer_gave_up_on_an_abort_raises_its_own_abort_when_it_
 def test_a_rank_whose_own_abort_never_comes_names_the_peer_that_gave_up_and_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(store_barrier, "PEER_ABORT_GRACE_S", 0.5)
     store, port = create_store("127.0.0.1", 3, 30.0)
     follower = connect_store("127.0.0.1", port, 3, 30.0)
     abort = AbortSignal()
@@ -218,13 +226,13 @@ def test_a_rank_giving_up_between_the_last_arrival_and_its_word_stops_every_rank
     """The last rank has arrived (the count says all came) but not yet said so when rank 0's
     abort comes: rank 0's giving up holds, and the last rank raises too instead of building
     a group that rank 0 will never join."""
-    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(store_barrier, "PEER_ABORT_GRACE_S", 0.5)
     store, port = create_store("127.0.0.1", 3, 30.0)
     clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]
     aborts = [_WatchedAbort() for _ in range(3)]
 
     def wait(rank: int, client: Any) -> str:
-        process_group._wait_for_every_rank(client, rank=rank, nranks=3, timeout=30.0, abort=aborts[rank])
+        _barrier(client, rank, 3, timeout=30.0, abort=aborts[rank])
         return "built"
 
     early = [_in_thread(lambda rank=rank: wait(rank, clients[rank])) for rank in (0, 1)]
@@ -254,13 +262,9 @@ def test_a_last_rank_that_stops_before_its_word_is_named_as_such() -> None:
     others time out saying so, not that ranks ``[]`` never came."""
     store, port = create_store("127.0.0.1", 2, 30.0)
     follower: Any = _PausedAfterArriving(connect_store("127.0.0.1", port, 2, 30.0))
-    waiting = _in_thread(
-        lambda: process_group._wait_for_every_rank(store, rank=0, nranks=2, timeout=0.5, abort=None)
-    )
+    waiting = _in_thread(lambda: _barrier(store, 0, 2, timeout=0.5))
     time.sleep(0.1)
-    frozen = _in_thread(
-        lambda: process_group._wait_for_every_rank(follower, rank=1, nranks=2, timeout=30.0, abort=None)
-    )
+    frozen = _in_thread(lambda: _barrier(follower, 1, 2, timeout=30.0))
     waiting[0].join(10)
     follower.go_on.set()
     frozen[0].join(10)
@@ -283,7 +287,7 @@ def test_an_abort_as_the_last_rank_arrives_sends_every_rank_the_same_way(
     group (the abort came after all of them were there) or none does: with the count alone,
     rank 0 could find everyone there and go on into Gloo's constructor while rank 1, looking
     after rank 0 gave up, raised, leaving ranks 0 and 2 waiting in the constructor for it."""
-    monkeypatch.setattr(process_group, "PEER_ABORT_GRACE_S", 0.5)  # rank 2 has no abort of its own
+    monkeypatch.setattr(store_barrier, "PEER_ABORT_GRACE_S", 0.5)  # rank 2 has no abort of its own
     for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04):
         store, port = create_store("127.0.0.1", 3, 30.0)
         clients = [store, *(connect_store("127.0.0.1", port, 3, 30.0) for _ in (1, 2))]
@@ -327,4 +331,7 @@ def test_a_store_that_goes_away_is_named_as_the_cause() -> None:
     assert not thread.is_alive(), "still waiting on a store that is gone"
     (error,) = outcome
     assert isinstance(error, DistributedError), repr(error)
-    assert "the root's store stopped answering as the ranks joined the process group" in str(error)
+    assert str(error).startswith(
+        "rank 1 of 2: the root's store stopped answering as the ranks waited to join the process group "
+        "(is the root gone?): "
+    ), str(error)

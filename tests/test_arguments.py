@@ -87,6 +87,18 @@ def test_a_common_mistake_is_named_before_training_starts(changes: dict[str, Any
             {"world_size": 0}, "fit: world_size must be None or an int >= 1, got 0", id="world-size-0"
         ),
         pytest.param({"device": "gpu"}, "fit: device 'gpu' is not a device torch knows", id="unknown-device"),
+        # torch's NotImplementedError("Cannot copy out of meta tensor") came from deep inside
+        pytest.param(
+            {"device": torch.device("meta")},
+            "fit: device='meta' holds no data (shapes only): training needs a device that computes",
+            id="meta",
+        ),
+        pytest.param(
+            {"device": "cuda:64"},
+            "fit: device='cuda:64', but "
+            + ("this machine has" if torch.cuda.is_available() else "CUDA is not available here"),
+            id="cuda-index-past-the-last",
+        ),
     ],
 )
 def test_a_bad_place_is_named(changes: dict[str, Any], expected: str) -> None:
@@ -104,3 +116,14 @@ def test_cuda_without_cuda_is_named() -> None:
 def test_the_right_arguments_train() -> None:
     _fit()  # the baseline of the mistakes above: no error
     _fit(validation_batches=None)  # no validation is not a mistake
+
+
+@pytest.mark.skipif(
+    getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+    reason="MPS is available here: device='mps' is right",
+)
+def test_a_backend_this_torch_lacks_is_named() -> None:
+    """torch's RuntimeError ("PyTorch is not linked with support for mps devices") came from
+    deep inside, at the model's move (a hostile user's round 8)."""
+    with pytest.raises(ConfigurationError, match=r"fit: device='mps' cannot be used here \(torch "):
+        _fit(device="mps")

@@ -94,13 +94,36 @@ def checked_device(device: torch.device | str, where: str = "fit") -> torch.devi
     """``device`` as a ``torch.device``, one that torch knows and that exists here.
 
     Raises:
-        ConfigurationError: torch does not know ``device``, or it is CUDA where there is none.
+        ConfigurationError: torch does not know ``device``, or it does not exist here (CUDA
+            where there is none, a CUDA index past the last device, a backend this build of
+            torch or this machine lacks), or it is ``meta`` (no data).
     """
     torch_device = check_device(where, device)
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
+    if torch_device.type == "cuda":
+        if not torch.cuda.is_available():
+            msg = (
+                f"{where}: device={str(device)!r}, but CUDA is not available here (torch "
+                f"{torch.__version__}, {torch.cuda.device_count()} CUDA devices); pass device='cpu'"
+            )
+            raise ConfigurationError(msg)
+        count = torch.cuda.device_count()
+        if torch_device.index is not None and torch_device.index >= count:
+            msg = (
+                f"{where}: device={str(device)!r}, but this machine has {count} CUDA devices (0..{count - 1})"
+            )
+            raise ConfigurationError(msg)
+    elif torch_device.type == "meta":
         msg = (
-            f"{where}: device={str(device)!r}, but CUDA is not available here (torch "
-            f"{torch.__version__}, {torch.cuda.device_count()} CUDA devices); pass device='cpu'"
+            f"{where}: device={str(device)!r} holds no data (shapes only): training needs a device that "
+            "computes, e.g. 'cpu' or 'cuda'"
         )
         raise ConfigurationError(msg)
+    elif torch_device.type != "cpu":
+        try:  # another backend (mps, xpu, ...): whether this build of torch and this machine have it
+            torch.empty(0, device=torch_device)
+        except (RuntimeError, AssertionError) as exc:
+            # torch's message runs to pages: its first sentence says it
+            why = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0][:300]
+            msg = f"{where}: device={str(device)!r} cannot be used here (torch {torch.__version__}): {why}"
+            raise ConfigurationError(msg) from None
     return torch_device

@@ -5,18 +5,23 @@ takes over use it: the data-parallel ranks before they build their process group
 (:mod:`lamploop.distributed.process_group`), and the pipeline's ranks before and after they
 set up Gloo (:mod:`lamploop.pipeline.group`).
 
-Each rank marks its arrival and counts it.  Then the ranks agree, through the store, on how
-the barrier ends: the last rank to arrive, and a rank that stops waiting (its run aborted,
-its own set-up failed, its timeout passed), each try to set the decision key, atomically
-(``compare_set``), and the first one wins.  Every rank then does what the decision says, also
-one that wanted to stop but found everyone had come: either every rank goes on, or none does,
-and each names the rank that gave up and why.  A barrier lives under a prefix of its own
-(``dist.PrefixStore``): a store holds as many as it has prefixes.
+Each rank marks its arrival (a process arriving as a rank that another process arrived as
+already gives up, naming the rank: counted twice, the ranks would go on without the rank that
+is missing) and counts it.  Then the ranks agree, through the store, on how the barrier ends:
+the last rank to arrive, and a rank that stops waiting (its run aborted, its own set-up
+failed, its timeout passed), each try to set the decision key, atomically (``compare_set``),
+and the first one wins.  Every rank then does what the decision says, also one that wanted to
+stop but found everyone had come: either every rank goes on, or none does, and each names the
+rank that gave up and why.  Rank 0, whose process holds the store, leaves only once every rank
+that arrived has read the decision (within :data:`SEEN_WAIT_S`): were its process to end at
+once, a rank still polling would find the store gone instead.  A barrier lives under a prefix
+of its own (``dist.PrefixStore``): a store holds as many as it has prefixes, each used once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from typing import NoReturn
 
@@ -26,7 +31,7 @@ import torch.distributed as dist
 from lamploop.errors import DistributedError
 from lamploop.sync.collectives import POLL_S, AbortSignal, WaitAborted
 
-__all__ = ["PEER_ABORT_GRACE_S", "BarrierWords", "give_up", "wait_for_every_rank"]
+__all__ = ["PEER_ABORT_GRACE_S", "SEEN_WAIT_S", "BarrierWords", "give_up", "wait_for_every_rank"]
 
 PEER_ABORT_GRACE_S = 5.0
 """How long a rank that finds a peer gave up because the run failed elsewhere waits for that
@@ -41,6 +46,13 @@ _DECISION_KEY = "decision"
 ``"<rank>:<why>"`` by a rank that stopped waiting before that.  Every rank acts on it."""
 
 _ALL_CAME = "all came"
+
+_SEEN_KEY = "seen"
+"""The store's count of the ranks that read the decision (rank 0 waits for it: see
+:func:`_wait_until_every_rank_has_seen`)."""
+
+SEEN_WAIT_S = 5.0
+"""How long rank 0 waits, past the decision, for the ranks that arrived to have read it."""
 
 _ABORTED = "aborted: "
 """How a rank's ``why`` starts when it stopped waiting because the run failed elsewhere."""
@@ -91,8 +103,15 @@ def wait_for_every_rank(
             gave up (naming it and why), or the store stopped answering.
     """
     try:
-        store.set(f"{_ARRIVED_KEY}/{rank}", "1")
-        decision = None
+        mark = secrets.token_hex(8)
+        if bytes(store.compare_set(f"{_ARRIVED_KEY}/{rank}", "", mark)).decode(errors="replace") != mark:
+            # Another process arrived as this rank first: counted twice, the ranks would go on
+            # without the one that is missing and wait for it inside torch instead.
+            why = f"another process arrived as rank {rank} too (each rank is one process's)"
+            _decide(store, f"{rank}:{_FAILED}{why}")
+            raise DistributedError(f"{words.me}: {why}")
+        decision = proposed = None
+        missing_at_timeout: list[int] | None = None
         if int(store.add(_ARRIVED_KEY, 1)) == nranks:
             decision = _decide(store, _ALL_CAME)
         deadline = time.monotonic() + timeout
@@ -101,18 +120,48 @@ def wait_for_every_rank(
             if store.check([_DECISION_KEY]):
                 decision = bytes(store.get(_DECISION_KEY)).decode(errors="replace")
             elif abort is not None and abort.is_set():
-                decision = _decide(store, f"{rank}:{_ABORTED}{abort.reason}")
+                proposed = f"{rank}:{_ABORTED}{abort.reason}"
+                decision = _decide(store, proposed)
             elif time.monotonic() >= deadline:
-                decision = _decide(store, f"{rank}:timed out after {timeout:g} s")
+                # Who was missing when this rank gave up: one arriving just after is late, not
+                # "the last of them did not confirm".
+                missing_at_timeout = _missing(store, nranks, gave_up=None)
+                proposed = f"{rank}:timed out after {timeout:g} s"
+                decision = _decide(store, proposed)
             else:
                 time.sleep(pause)
                 pause = min(pause * 2, POLL_S / 2)
+        store.add(_SEEN_KEY, 1)
+        if rank == 0:
+            _wait_until_every_rank_has_seen(store, abort)
         if decision != _ALL_CAME:
             _raise_gave_up(
-                store, decision, rank=rank, nranks=nranks, timeout=timeout, words=words, abort=abort
+                store,
+                decision,
+                rank=rank,
+                nranks=nranks,
+                timeout=timeout,
+                words=words,
+                abort=abort,
+                own=decision == proposed,
+                missing_at_timeout=missing_at_timeout,
             )
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
         raise _store_gone(words, exc) from exc
+
+
+def _wait_until_every_rank_has_seen(store: dist.Store, abort: AbortSignal | None) -> None:
+    """Rank 0, whose process holds the store: until every rank that arrived has read the decision
+    (within :data:`SEEN_WAIT_S`, or until ``abort``), so that its process ending at once (its
+    next step failed, as every rank's does) leaves no rank that still polls finding the store
+    gone instead of the decision."""
+    deadline = time.monotonic() + SEEN_WAIT_S
+    pause = 0.001
+    while int(store.add(_SEEN_KEY, 0)) < int(store.add(_ARRIVED_KEY, 0)):
+        if time.monotonic() >= deadline or (abort is not None and abort.is_set()):
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def give_up(store: dist.Store, *, rank: int, why: str) -> None:
@@ -137,6 +186,8 @@ def _raise_gave_up(
     timeout: float,
     words: BarrierWords,
     abort: AbortSignal | None,
+    own: bool,
+    missing_at_timeout: list[int] | None,
 ) -> NoReturn:
     """Rank ``decision``'s rank gave up waiting: raise why, as this rank's own abort where it can.
 
@@ -145,10 +196,10 @@ def _raise_gave_up(
     name the failing rank (``PeerLostError`` from its channel) rather than the one that gave up.
     """
     who, _, why = decision.partition(":")
-    missing = [
-        other for other in range(nranks) if str(other) != who and not store.check([f"{_ARRIVED_KEY}/{other}"])
-    ]
-    if who == str(rank):
+    missing = _missing(store, nranks, gave_up=who)
+    if own:
+        if missing_at_timeout:
+            missing = missing_at_timeout
         if abort is not None and why.startswith(_ABORTED):
             raise _aborted(rank, words, abort)
         if missing:
@@ -166,6 +217,15 @@ def _raise_gave_up(
     if missing:
         msg += f"; ranks {missing} never reached it"
     raise DistributedError(msg)
+
+
+def _missing(store: dist.Store, nranks: int, *, gave_up: str | None) -> list[int]:
+    """The ranks that have not arrived, but for ``gave_up`` (a rank that gave up before arriving)."""
+    return [
+        other
+        for other in range(nranks)
+        if str(other) != gave_up and not store.check([f"{_ARRIVED_KEY}/{other}"])
+    ]
 
 
 def _aborted(rank: int, words: BarrierWords, abort: AbortSignal) -> WaitAborted:

@@ -13,6 +13,7 @@ a stage that hangs (frozen, cut off) makes them fail after ``timeout`` seconds.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -115,9 +116,16 @@ def open_pipeline_group(
         msg = f"pipeline rank {rank}: cannot {what} {host}:{port}: {exc}"
         raise DistributedError(msg) from exc
     scoped = dist.PrefixStore(_PREFIX, store)
+    joined = dist.PrefixStore(_JOINED, scoped)
+    unusable = _unusable_gloo_interface()
+    if unusable is not None:
+        # Found before any rank enters Gloo's set-up, where a rank waits for the others' keys
+        # for `timeout`, out of the barrier's reach: so the others are told at once.
+        give_up(joined, rank=rank, why=unusable)
+        raise DistributedError(f"pipeline rank {rank} of {world_size}: {unusable}")
     # Everyone here first, within join_timeout: Gloo's own set-up waits only `timeout`.
     wait_for_every_rank(
-        dist.PrefixStore(_JOINED, scoped),
+        joined,
         rank=rank,
         nranks=world_size,
         timeout=join_seconds,
@@ -146,6 +154,19 @@ def open_pipeline_group(
         yield PipelineGroup(rank=rank, world_size=world_size)
     finally:
         dist.destroy_process_group()
+
+
+def _unusable_gloo_interface() -> str | None:
+    """Why Gloo cannot use an interface that ``GLOO_SOCKET_IFNAME`` names here, or ``None``
+    (what ``init_process_group`` would find only once inside Gloo's set-up)."""
+    for name in filter(None, os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")):
+        try:
+            dist.ProcessGroupGloo.create_device(interface=name)
+        except RuntimeError as exc:
+            return (
+                f"GLOO_SOCKET_IFNAME names the network interface {name!r}, which Gloo cannot use here: {exc}"
+            )
+    return None
 
 
 def _words(rank: int, world_size: int, goal: str, doing: str) -> BarrierWords:

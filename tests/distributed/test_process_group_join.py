@@ -335,3 +335,43 @@ def test_a_store_that_goes_away_is_named_as_the_cause() -> None:
         "rank 1 of 2: the root's store stopped answering as the ranks waited to join the process group "
         "(is the root gone?): "
     ), str(error)
+
+
+class _HeldAfterDeciding:
+    """A rank's store that holds the rank once it proposed a decision, until ``go_on`` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.deciding = threading.Event()
+        self.go_on = threading.Event()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> Any:
+        decision = self._store.compare_set(key, expected, desired)
+        if key == "decision":
+            self.deciding.set()
+            assert self.go_on.wait(10)
+        return decision
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_rank_arriving_just_as_the_timeout_passes_is_named_as_late() -> None:
+    """Rank 1 arrives just after rank 0's timeout made the decision: rank 0 names rank 1 as the
+    rank that did not come in time, not "the last of them did not confirm" (which it said,
+    naming nobody, when it looked at who had come only after deciding)."""
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    held: Any = _HeldAfterDeciding(store)
+    waiting = _in_thread(lambda: _barrier(held, 0, 2, timeout=0.3))
+    assert held.deciding.wait(10)
+    late = _in_thread(lambda: _barrier(connect_store("127.0.0.1", port, 2, 30.0), 1, 2, timeout=30.0))
+    time.sleep(0.3)  # rank 1 has arrived, too late: rank 0's decision holds
+    held.go_on.set()
+    for thread, _ in (waiting, late):
+        thread.join(10)
+    (error,) = waiting[1]
+    assert str(error) == "rank 0 of 2: ranks [1] did not join the process group within 0.3 s", str(error)
+    (late_error,) = late[1]
+    assert str(late_error) == (
+        "rank 1 of 2: ranks [0] gave up joining the process group (rank 0 timed out after 0.3 s)"
+    ), str(late_error)

@@ -11,6 +11,9 @@ words), over a real ``TCPStore``, ranks as threads.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -121,6 +124,94 @@ def test_giving_up_after_every_rank_came_changes_nothing() -> None:
         thread.join(10)
     assert [outcome for _, outcome in ranks] == [["set up"], ["set up"]]
     give_up(dist.PrefixStore("p/", store), rank=1, why="too late")
-    again = _waiting(store, 0, 2, 30.0)
-    again[0].join(10)
-    assert again[1] == ["set up"]
+    assert bytes(dist.PrefixStore("p/", store).get("decision")) == b"all came"
+
+
+def test_two_processes_arriving_as_one_rank_end_every_rank_at_once_naming_it() -> None:
+    """Ranks 0, 1 and 1 again of 3 (rank 2 never started): counted as three arrivals, they all
+    went into Gloo's set-up and waited there for rank 2 for the whole group timeout (60 s in a
+    hostile user's run), naming neither the duplicate nor the missing rank."""
+    store, port = create_store("127.0.0.1", 3, 30.0)
+    clients = [store, connect_store("127.0.0.1", port, 3, 30.0), connect_store("127.0.0.1", port, 3, 30.0)]
+    start = time.monotonic()
+    first = [_waiting(clients[0], 0, 3, 30.0), _waiting(clients[1], 1, 3, 30.0)]
+    time.sleep(0.2)
+    again = _waiting(clients[2], 1, 3, 30.0)
+    for thread, _ in (*first, again):
+        thread.join(10)
+    assert time.monotonic() - start < 5.0
+    (duplicate,) = again[1]
+    assert str(duplicate) == (
+        "pipeline rank 1 of 3: another process arrived as rank 1 too (each rank is one process's)"
+    ), repr(duplicate)
+    for _, outcome in first:
+        (error,) = outcome
+        assert isinstance(error, DistributedError), repr(error)
+        assert "gave up setting up the group (rank 1 failed: another process arrived as rank 1 too" in str(
+            error
+        ), str(error)
+        assert str(error).endswith("ranks [2] never reached it"), str(error)
+
+
+def test_rank_0_leaves_only_once_every_rank_has_read_the_decision() -> None:
+    """Rank 0's process holds the store.  Arriving last, it finds that all came; if it went on
+    at once and its process ended (its next step failed, as every rank's does), a rank still
+    sleeping between two looks at the store found it gone and raised "stopped answering"
+    instead of going on (15 of 20 runs with the process ending 10 ms after; review of the
+    shared barrier).  Rank 0 now leaves once every rank has read the decision."""
+    for trial in range(8):
+        store, port = create_store("127.0.0.1", 2, 30.0)
+        follower = _waiting(connect_store("127.0.0.1", port, 2, 5.0), 1, 2, 30.0)
+        time.sleep(0.3 + 0.01 * trial)  # rank 1 polls at its slowest by now, at some phase
+        words = _words(0, 2, "set up their group", "setting up the group")
+        wait_for_every_rank(dist.PrefixStore("p/", store), rank=0, nranks=2, timeout=30.0, words=words)
+        del store  # rank 0's process ends at once: its store with it
+        gc.collect()
+        follower[0].join(15)
+        assert follower[1] == ["set up"], (trial, follower[1])
+
+
+_PIPELINE_RANK = """
+import sys, time
+from lamploop.pipeline.group import open_pipeline_group
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+start = time.monotonic()
+try:
+    with open_pipeline_group(rank=rank, world_size=2, host="127.0.0.1", port=port, timeout=60):
+        print("set up", flush=True)
+except Exception as exc:
+    print(f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def test_a_rank_whose_network_interface_gloo_cannot_use_is_named_to_the_others_at_once(
+    tmp_path: Any,
+) -> None:
+    """Rank 1's ``GLOO_SOCKET_IFNAME`` names no interface of its machine.  Found inside Gloo's
+    set-up, it left rank 0 waiting there for rank 1's keys for the whole ``timeout`` (20 s in
+    the review's run), naming neither rank 1 nor why; it is now found before the ranks join,
+    and rank 0 names both at once."""
+    port = free_port()
+    command = [sys.executable, "-c", _PIPELINE_RANK]
+    env = {key: value for key, value in os.environ.items() if key != "GLOO_SOCKET_IFNAME"}
+    ranks = [
+        subprocess.Popen([*command, "0", str(port)], env=env, stdout=subprocess.PIPE, text=True),
+        subprocess.Popen(
+            [*command, "1", str(port)],
+            env={**env, "GLOO_SOCKET_IFNAME": "nosuchif0"},
+            stdout=subprocess.PIPE,
+            text=True,
+        ),
+    ]
+    try:
+        outputs = [rank.communicate(timeout=45)[0].strip() for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    took, _, error = outputs[0].partition(" ")
+    assert error.startswith(
+        "DistributedError: pipeline rank 0 of 2: ranks [1] gave up joining the pipeline (rank 1 failed: "
+        "GLOO_SOCKET_IFNAME names the network interface 'nosuchif0', which Gloo cannot use here: "
+    ), outputs
+    assert float(took) < 20.0, outputs  # at once (torch's imports aside), not after `timeout`
+    assert "pipeline rank 1 of 2: GLOO_SOCKET_IFNAME names the network interface 'nosuchif0'" in outputs[1]

@@ -198,7 +198,9 @@ async def local_data_parallel_training_loop(
             or a setting given both as a keyword and in ``settings=``; a ``profile`` (torch
             profiles one process, and the replicas are its threads: use ``fit(world_size=n)``).
         DistributedError: the replicas' models differ (names the rank and the tensor).
-        LamploopError: the first error of any replica (the others are ended within seconds).
+        LamploopError: the first error of any replica (the others are ended within seconds);
+            an exception your own code raised on a replica (its ``optimizer_factory``, its
+            batches, its loss) is raised as it is, not wrapped.
     """
     merged = merged_settings(local_data_parallel_training_loop, locals(), LocalSettingKeywords)
     if merged.profile is not None:

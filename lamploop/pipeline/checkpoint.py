@@ -110,7 +110,10 @@ def load_stage_checkpoint(
     Raises:
         ConfigurationError: ``stage_index`` is not in ``0..num_stages-1``.
         CheckpointError: the checkpoint is corrupt or does not fit ``stage`` (see
-            :func:`lamploop.checkpoint.load_checkpoint`).
+            :func:`lamploop.checkpoint.load_checkpoint`).  It does not fall back to an older
+            epoch, as ``fit``'s resume does: each stage would fall back alone, and the stages
+            must resume at one epoch.  To resume from the epoch before, delete the corrupt
+            epoch's directory on every stage.
     """
     check_int("load_stage_checkpoint: num_stages", num_stages, 1)
     check_int("load_stage_checkpoint: stage_index", stage_index, 0)

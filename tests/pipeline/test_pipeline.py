@@ -31,6 +31,7 @@ from workers import pipeline_stage as stage_worker  # tests/ is on sys.path (con
 from workers import rank as worker
 
 from lamploop.batches import tensor_batches
+from lamploop.checkpoint import MODEL_FILE
 from lamploop.distributed import drive_distributed_training
 from lamploop.errors import BatchError, CheckpointError, ConfigurationError, LamploopError
 from lamploop.loop.epoch_driver import ALL_EPOCHS
@@ -439,6 +440,12 @@ def test_stage_checkpoints_round_trip_at_the_newest_epoch_every_stage_saved(tmp_
         load_stage_checkpoint(tmp_path, stage_index=2, num_stages=2)
     with pytest.raises(ConfigurationError, match="keep_last must be None or an int >= 2"):
         stage_checkpointer(tmp_path, 0, keep_last=1)
+    # A corrupt checkpoint at the common epoch is refused, naming the file, not passed over for
+    # an older epoch: each stage would fall back alone (docs/pipeline.md).
+    model_file = tmp_path / "stage-001" / "epoch-000001" / MODEL_FILE
+    model_file.write_bytes(model_file.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=MODEL_FILE):
+        load_stage_checkpoint(tmp_path, stage_index=1, num_stages=2, stage=stages[1])
 
 
 def test_every_pipeline_error_is_a_lamploop_error() -> None:

@@ -107,7 +107,10 @@ def wait_for_every_rank(
         if bytes(store.compare_set(f"{_ARRIVED_KEY}/{rank}", "", mark)).decode(errors="replace") != mark:
             # Another process arrived as this rank first: counted twice, the ranks would go on
             # without the one that is missing and wait for it inside torch instead.
-            why = f"another process arrived as rank {rank} too (each rank is one process's)"
+            why = (
+                f"rank {rank} arrived here before: another process was given rank {rank} too, or this "
+                "store still serves an earlier run (each rank is one process's, each run its own port)"
+            )
             _decide(store, f"{rank}:{_FAILED}{why}")
             raise DistributedError(f"{words.me}: {why}")
         decision = proposed = None

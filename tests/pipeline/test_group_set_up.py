@@ -142,13 +142,15 @@ def test_two_processes_arriving_as_one_rank_end_every_rank_at_once_naming_it() -
     assert time.monotonic() - start < 5.0
     (duplicate,) = again[1]
     assert str(duplicate) == (
-        "pipeline rank 1 of 3: another process arrived as rank 1 too (each rank is one process's)"
+        "pipeline rank 1 of 3: rank 1 arrived here before: another process was given rank 1 too, or this "
+        "store still serves an earlier run (each rank is one process's, each run its own port)"
     ), repr(duplicate)
     for _, outcome in first:
         (error,) = outcome
         assert isinstance(error, DistributedError), repr(error)
-        assert "gave up setting up the group (rank 1 failed: another process arrived as rank 1 too" in str(
-            error
+        assert (
+            "gave up setting up the group (rank 1 failed: rank 1 arrived here before: another process"
+            in str(error)
         ), str(error)
         assert str(error).endswith("ranks [2] never reached it"), str(error)
 
@@ -215,3 +217,21 @@ def test_a_rank_whose_network_interface_gloo_cannot_use_is_named_to_the_others_a
     ), outputs
     assert float(took) < 20.0, outputs  # at once (torch's imports aside), not after `timeout`
     assert "pipeline rank 1 of 2: GLOO_SOCKET_IFNAME names the network interface 'nosuchif0'" in outputs[1]
+
+
+def test_a_rank_reaching_a_store_that_still_serves_an_earlier_run_is_refused_at_once() -> None:
+    """Rank 1 left pipeline A and opened B on the same port while rank 0 was still in A: it
+    reached A's store, went on with A's "all came" and waited 40 s in Gloo's set-up (review of
+    the shared barrier).  It now finds its rank taken and says so."""
+    store, port = create_store("127.0.0.1", 2, 30.0)
+    earlier = [_waiting(store, 0, 2, 30.0), _waiting(connect_store("127.0.0.1", port, 2, 30.0), 1, 2, 30.0)]
+    for thread, _ in earlier:
+        thread.join(10)
+    assert [outcome for _, outcome in earlier] == [["set up"], ["set up"]]
+    start = time.monotonic()
+    later = _waiting(connect_store("127.0.0.1", port, 2, 30.0), 1, 2, 30.0)
+    later[0].join(10)
+    assert time.monotonic() - start < 5.0
+    (error,) = later[1]
+    assert isinstance(error, DistributedError), repr(error)
+    assert str(error).startswith("pipeline rank 1 of 2: rank 1 arrived here before: "), str(error)

@@ -60,6 +60,28 @@ def check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+SEED_LIMIT = 2**64
+"""Seeds are below this: torch's generators take 64 bits (``manual_seed`` of more overflows)."""
+
+
+def check_seed(name: str, value: object) -> int:
+    """``value`` if it is an int (not a bool) in ``0 .. 2**64 - 1``, a seed torch's generators
+    take; else ConfigurationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        msg = f"{name} must be an int in 0..2**64-1 (torch's generators take 64 bits), got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def seed_in_range(owner: str | None) -> Validator:
+    """An attrs validator: :func:`check_seed` of the field, named ``<owner>: <field>`` (or the field)."""
+
+    def validate(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        check_seed(attribute.name if owner is None else f"{owner}: {attribute.name}", value)
+
+    return validate
+
+
 def check_names(name: str, value: object) -> list[object]:
     """The items of ``value``, a collection of names (a list, tuple or set), else ConfigurationError
     naming ``name``: one string is refused, not split into its characters."""

@@ -234,6 +234,7 @@ def _lr_find(args: argparse.Namespace) -> int:
     import torch
 
     from lamploop.batches import tensor_batches
+    from lamploop.checks import check_seed
     from lamploop.demo import digits_data, digits_model
     from lamploop.lr_find import lr_find
     from lamploop.model import SupervisedModel
@@ -241,6 +242,7 @@ def _lr_find(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         msg = f"--batch-size must be >= 1, got {args.batch_size}"
         raise ConfigurationError(msg)
+    check_seed("--seed", args.seed)
     if args.output is not None:
         _make_parent(args.output)  # before the range test, not after it
     optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}

@@ -717,7 +717,15 @@ def test_mlp_builds_the_documented_layers_dtype_and_seed() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"sizes": [4]}, {"sizes": [4, 0]}, {"sizes": ["4", 2]}, {"sizes": [4, 2], "dtype": "float16"}, {}],
+    [
+        {"sizes": [4]},
+        {"sizes": [4, 0]},
+        {"sizes": ["4", 2]},
+        {"sizes": [4, 2], "dtype": "float16"},
+        {},
+        {"sizes": [4, 2], "seed": -1},
+        {"sizes": [4, 2], "seed": 2**64},  # torch's manual_seed overflowed (a ValueError)
+    ],
 )
 def test_mlp_refuses_bad_options(options: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError):

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Final, TypeVar
 import attrs
 
 from lamploop.checkpoint.files import read_json_object
-from lamploop.checks import check_int, check_positive, int_at_least
+from lamploop.checks import check_int, check_positive, int_at_least, seed_in_range
 from lamploop.errors import ConfigurationError
 from lamploop.strict_json import field_errors, strict_converter, write_atomically
 
@@ -76,7 +76,7 @@ class DemoConfig:
     epochs: int = attrs.field(default=30, validator=int_at_least(None, 1))
     batch_size: int = attrs.field(default=32, validator=int_at_least(None, 1))
     world_size: int = attrs.field(default=2, validator=int_at_least(None, 1))
-    seed: int = attrs.field(default=0, validator=int_at_least(None, 0))
+    seed: int = attrs.field(default=0, validator=seed_in_range(None))
     learning_rate: float = attrs.field(default=1e-3, validator=_positive)
     hidden_sizes: tuple[int, ...] = attrs.field(default=(128, 64), converter=tuple, validator=_widths)
 

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from lamploop.checks import check_seed
 from lamploop.errors import ConfigurationError, LamploopError
 from lamploop.federated.plan import ModelDescription, OptimizerConfig, TrainingPlan
 from lamploop.metrics import accuracy
@@ -67,10 +68,7 @@ def mlp(options: Mapping[str, Any]) -> torch.nn.Module:
     if dtype_name not in _DTYPES:
         msg = f"mlp: options.dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}"
         raise ConfigurationError(msg)
-    seed = options.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        msg = f"mlp: options.seed must be an int >= 0, got {seed!r}"
-        raise ConfigurationError(msg)
+    seed = check_seed("mlp: options.seed", options.get("seed", 0))
     layers: list[torch.nn.Module] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

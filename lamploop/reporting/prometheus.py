@@ -138,7 +138,8 @@ class PrometheusReporter:
         registry: CollectorRegistry | None = None,
         namespace: str = "lamploop",
     ) -> None:
-        """Check the port, make every gauge and counter (absent until measured), and start serving."""
+        """Check the port and make every gauge and counter (absent until measured); serving starts
+        at the first event or at :meth:`start`, not here."""
         require_extra("PrometheusReporter", "prometheus_client", "prometheus")
         from prometheus_client import CollectorRegistry, Counter, Gauge
 

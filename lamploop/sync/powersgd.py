@@ -242,6 +242,14 @@ def _default_name(self: PowerSGD) -> str:
     return f"powersgd{self.rank}"
 
 
+def _below_2_to_the_63(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value >= 2**63:
+        msg = (
+            f"PowerSGD: {attribute.name} must be below 2**63 (each step's generator adds to it), got {value}"
+        )
+        raise ConfigurationError(msg)
+
+
 @attrs.frozen
 class PowerSGD:
     """The PowerSGD strategy (``powersgd1`` and ``powersgd4`` are registered; register others).
@@ -265,7 +273,8 @@ class PowerSGD:
     rank: int = attrs.field(default=4, validator=int_at_least("PowerSGD", 1))
     warm_start: bool = True
     min_compression_ratio: float = attrs.field(default=2.0, validator=_check_ratio)
-    seed: int = attrs.field(default=0, validator=int_at_least("PowerSGD", 0))
+    # Half of the 64 bits: each step's generator is seeded with seed + 1_000_003 * step + index.
+    seed: int = attrs.field(default=0, validator=[int_at_least("PowerSGD", 0), _below_2_to_the_63])
     name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
     steps_on_every_rank: bool = attrs.field(default=True, init=False)
     keeps_state: bool = attrs.field(default=True, init=False)  # Q and the error feedback, checkpointed

@@ -412,6 +412,8 @@ async def test_a_state_of_another_model_is_refused() -> None:
         (lambda: PowerSGD(rank=2.5), r"rank must be an int >= 1, got 2.5"),
         (lambda: PowerSGD(min_compression_ratio=-1), r"min_compression_ratio must be a finite number >= 0"),
         (lambda: PowerSGD(seed=-3), r"seed must be an int >= 0"),
+        # each step's generator is seeded with seed + 1_000_003 * step + index: 64 bits at most
+        (lambda: PowerSGD(seed=2**63), r"seed must be below 2\*\*63"),
         (lambda: CompressedAllReduce(wire="int8"), r"wire must be one of \['bf16', 'fp16'\], got 'int8'"),
         (lambda: CompressedAllReduce(wire="fp16", growth_interval=0), r"growth_interval must be an int >= 1"),
         (lambda: lamploop.TrainingSettings(strategy="powersgd3"), r"one of .*powersgd4.*got 'powersgd3'"),

@@ -111,7 +111,7 @@ def wait_for_every_rank(
                 f"rank {rank} arrived here before: another process was given rank {rank} too, or this "
                 "store still serves an earlier run (each rank is one process's, each run its own port)"
             )
-            _decide(store, f"{rank}:{_FAILED}{why}")
+            give_up(store, rank=rank, why=why)
             raise DistributedError(f"{words.me}: {why}")
         decision = proposed = None
         missing_at_timeout: list[int] | None = None
